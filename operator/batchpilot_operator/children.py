@@ -1,0 +1,241 @@
+"""Child manifests of a BatchingPolicy, built by pure functions returning plain dicts.
+
+Per policy ``p`` and revision ``r`` (a short hash of the runtime-relevant spec):
+
+- ConfigMap ``p-r``: the revision's runtime config (``config.json``), immutable.
+- Deployment ``p-stable`` and, during a rollout, ``p-canary``: runtime pods mounting their
+  revision's ConfigMap. The selector is {policy, track} (selectors are immutable, revisions are
+  not); the pod template carries the revision label too.
+- Service ``p``: selects the pods of both tracks, so with the default routing the canary's
+  share of traffic follows its share of ready pods.
+
+Every child is owned by the policy (garbage-collected with it) and carries the labels
+``batchpilot.dev/policy``, ``batchpilot.dev/revision`` (not on the Service) and
+``batchpilot.dev/track``, which Prometheus relabels into ``policy``/``revision``/``track``.
+Pure: no I/O, no Kubernetes client.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from typing import Any, Literal
+
+from batchpilot_operator.spec import API_VERSION, KIND, PolicySpec
+
+Manifest = dict[str, Any]
+Track = Literal["stable", "canary"]
+
+LABEL_POLICY = "batchpilot.dev/policy"
+LABEL_REVISION = "batchpilot.dev/revision"
+LABEL_TRACK = "batchpilot.dev/track"
+LABEL_COMPONENT = "app.kubernetes.io/component"
+ANNOTATION_APPLIED = "batchpilot.dev/applied-hash"
+FIELD_MANAGER = "batchpilot"
+RUNTIME_PORT = 8000
+CONFIG_DIR = "/etc/batchpilot"
+CONFIG_KEY = "config.json"
+
+
+def owner_reference(policy_name: str, policy_uid: str) -> dict[str, Any]:
+    return {
+        "apiVersion": API_VERSION,
+        "kind": KIND,
+        "name": policy_name,
+        "uid": policy_uid,
+        "controller": True,
+        "blockOwnerDeletion": True,
+    }
+
+
+def common_labels(policy: str) -> dict[str, str]:
+    return {
+        "app.kubernetes.io/name": "batchpilot-runtime",
+        "app.kubernetes.io/managed-by": "batchpilot",
+        "app.kubernetes.io/instance": policy,
+        LABEL_POLICY: policy,
+    }
+
+
+def configmap_name(policy: str, revision: str) -> str:
+    return f"{policy}-{revision}"
+
+
+def deployment_name(policy: str, track: Track) -> str:
+    return f"{policy}-{track}"
+
+
+def _stamp(manifest: Manifest) -> Manifest:
+    """Record a hash of the desired manifest, so an unchanged resync can skip the write."""
+    digest = hashlib.sha256(json.dumps(manifest, sort_keys=True).encode()).hexdigest()[:16]
+    manifest["metadata"].setdefault("annotations", {})[ANNOTATION_APPLIED] = digest
+    return manifest
+
+
+def applied_hash(obj: Manifest | None) -> str | None:
+    if not obj:
+        return None
+    value = (obj.get("metadata", {}).get("annotations") or {}).get(ANNOTATION_APPLIED)
+    return str(value) if value is not None else None
+
+
+def build_configmap(
+    policy: str, namespace: str, uid: str, spec: PolicySpec, revision: str
+) -> Manifest:
+    config = spec.runtime_config(policy=policy, revision=revision)
+    return _stamp(
+        {
+            "apiVersion": "v1",
+            "kind": "ConfigMap",
+            "metadata": {
+                "name": configmap_name(policy, revision),
+                "namespace": namespace,
+                "labels": {**common_labels(policy), LABEL_REVISION: revision, LABEL_COMPONENT: "config"},
+                "ownerReferences": [owner_reference(policy, uid)],
+            },
+            "immutable": True,
+            "data": {CONFIG_KEY: config.to_json()},
+        }
+    )
+
+
+def _resources(spec: PolicySpec) -> dict[str, Any]:
+    requests: dict[str, str] = {}
+    limits: dict[str, str] = {}
+    if spec.resources.cpu:
+        requests["cpu"] = spec.resources.cpu
+    if spec.resources.memory:
+        requests["memory"] = limits["memory"] = spec.resources.memory
+    if spec.resources.gpus:
+        requests["nvidia.com/gpu"] = limits["nvidia.com/gpu"] = str(spec.resources.gpus)
+    out: dict[str, Any] = {}
+    if requests:
+        out["requests"] = requests
+    if limits:
+        out["limits"] = limits
+    return out
+
+
+def _tolerations(spec: PolicySpec) -> list[dict[str, Any]]:
+    tolerations = [t.model_dump(by_alias=True, exclude_none=True) for t in spec.tolerations]
+    if spec.resources.gpus and not any(t.get("key") == "nvidia.com/gpu" for t in tolerations):
+        # GPU nodes are commonly tainted nvidia.com/gpu:NoSchedule.
+        tolerations.append({"key": "nvidia.com/gpu", "operator": "Exists", "effect": "NoSchedule"})
+    return tolerations
+
+
+def build_deployment(
+    policy: str,
+    namespace: str,
+    uid: str,
+    spec: PolicySpec,
+    track: Track,
+    revision: str,
+    replicas: int,
+    drain_seconds: int = 30,
+) -> Manifest:
+    selector = {LABEL_POLICY: policy, LABEL_TRACK: track}
+    pod_labels = {**common_labels(policy), LABEL_TRACK: track, LABEL_REVISION: revision}
+    probe_common = {"periodSeconds": 5, "timeoutSeconds": 2}
+    container: dict[str, Any] = {
+        "name": "runtime",
+        "image": spec.model.image,
+        "imagePullPolicy": "IfNotPresent",
+        "args": ["--config", f"{CONFIG_DIR}/{CONFIG_KEY}", "--track", track, "--port", str(RUNTIME_PORT)],
+        "env": [{"name": "BATCHPILOT_TRACK", "value": track}],
+        "ports": [{"name": "http", "containerPort": RUNTIME_PORT, "protocol": "TCP"}],
+        "readinessProbe": {"httpGet": {"path": "/v2/health/ready", "port": "http"}, **probe_common},
+        "livenessProbe": {
+            "httpGet": {"path": "/v2/health/live", "port": "http"},
+            "failureThreshold": 6,
+            **probe_common,
+        },
+        "startupProbe": {
+            "httpGet": {"path": "/v2/health/live", "port": "http"},
+            "failureThreshold": 60,
+            **probe_common,
+        },
+        "resources": _resources(spec),
+        "securityContext": {
+            "allowPrivilegeEscalation": False,
+            "readOnlyRootFilesystem": True,
+            "runAsNonRoot": True,
+            "capabilities": {"drop": ["ALL"]},
+        },
+        "volumeMounts": [
+            {"name": "config", "mountPath": CONFIG_DIR, "readOnly": True},
+            {"name": "tmp", "mountPath": "/tmp"},
+        ],
+    }
+    pod_spec: dict[str, Any] = {
+        "securityContext": {
+            "runAsNonRoot": True,
+            "runAsUser": 65532,
+            "runAsGroup": 65532,
+            "fsGroup": 65532,
+            "seccompProfile": {"type": "RuntimeDefault"},
+        },
+        "automountServiceAccountToken": False,
+        "enableServiceLinks": False,
+        "terminationGracePeriodSeconds": drain_seconds + 15,
+        "containers": [container],
+        "volumes": [
+            {"name": "config", "configMap": {"name": configmap_name(policy, revision)}},
+            {"name": "tmp", "emptyDir": {"sizeLimit": "1Gi"}},
+        ],
+    }
+    if spec.node_selector:
+        pod_spec["nodeSelector"] = dict(spec.node_selector)
+    tolerations = _tolerations(spec)
+    if tolerations:
+        pod_spec["tolerations"] = tolerations
+    return _stamp(
+        {
+            "apiVersion": "apps/v1",
+            "kind": "Deployment",
+            "metadata": {
+                "name": deployment_name(policy, track),
+                "namespace": namespace,
+                "labels": {**common_labels(policy), LABEL_TRACK: track, LABEL_REVISION: revision},
+                "ownerReferences": [owner_reference(policy, uid)],
+            },
+            "spec": {
+                "replicas": replicas,
+                "revisionHistoryLimit": 2,
+                "selector": {"matchLabels": selector},
+                "strategy": {"type": "RollingUpdate", "rollingUpdate": {"maxSurge": 1, "maxUnavailable": 0}},
+                "template": {
+                    "metadata": {
+                        "labels": pod_labels,
+                        "annotations": {
+                            "prometheus.io/scrape": "true",
+                            "prometheus.io/port": str(RUNTIME_PORT),
+                            "prometheus.io/path": "/metrics",
+                        },
+                    },
+                    "spec": pod_spec,
+                },
+            },
+        }
+    )
+
+
+def build_service(policy: str, namespace: str, uid: str) -> Manifest:
+    return _stamp(
+        {
+            "apiVersion": "v1",
+            "kind": "Service",
+            "metadata": {
+                "name": policy,
+                "namespace": namespace,
+                "labels": {**common_labels(policy), LABEL_COMPONENT: "inference"},
+                "ownerReferences": [owner_reference(policy, uid)],
+            },
+            "spec": {
+                "type": "ClusterIP",
+                # Both tracks: the canary's share follows its share of ready pods.
+                "selector": {LABEL_POLICY: policy},
+                "ports": [{"name": "http", "port": 80, "targetPort": "http", "protocol": "TCP"}],
+            },
+        }
+    )

@@ -1,0 +1,1 @@
+"""Sub-commands of the `batchpilot` CLI (see cli.py)."""

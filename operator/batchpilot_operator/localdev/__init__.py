@@ -1,0 +1,1 @@
+"""Local development: a real control plane, Prometheus and runtime processes on one machine."""

@@ -1,0 +1,299 @@
+"""A real, local Kubernetes control plane for tests and the local demo.
+
+etcd, kube-apiserver, kube-controller-manager and kube-scheduler (built from the
+``k8s.io/kubernetes`` Go module by ``hack/k8s/build.sh``) plus kwok, which plays the kubelet
+for fake GPU nodes so that pods are scheduled and become Running/Ready and Deployment status
+is real. Everything listens on 127.0.0.1 on free ports and lives under one work directory.
+
+Usage::
+
+    with LocalCluster.start(workdir) as cluster:
+        cluster.kubeconfig   # path of an admin kubeconfig (token auth)
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import shutil
+import signal
+import socket
+import ssl
+import subprocess
+import time
+import urllib.request
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from types import TracebackType
+
+REPO_ROOT = Path(__file__).resolve().parents[3]
+DEFAULT_BIN_DIR = REPO_ROOT / ".cache" / "k8s-bin"
+BINARIES = ("etcd", "kube-apiserver", "kube-controller-manager", "kube-scheduler", "kubectl", "kwok")
+ADMIN_TOKEN = "batchpilot-local-admin-token"
+CONTROLLERS = ",".join(
+    [
+        "deployment-controller",
+        "replicaset-controller",
+        "garbage-collector-controller",
+        "serviceaccount-controller",
+        "namespace-controller",
+        "endpointslice-controller",
+        "disruption-controller",
+    ]
+)
+
+
+class ClusterError(RuntimeError):
+    """The control plane could not be built or started; the message says which part and why."""
+
+
+def free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind(("127.0.0.1", 0))
+        port: int = sock.getsockname()[1]
+        return port
+
+
+def bin_dir() -> Path:
+    return Path(os.environ.get("BATCHPILOT_K8S_BIN", DEFAULT_BIN_DIR))
+
+
+def ensure_binaries() -> Path:
+    """Build the control-plane binaries if the pinned versions changed (cheap when up to date)."""
+    directory = bin_dir()
+    script = REPO_ROOT / "hack" / "k8s" / "build.sh"
+    result = subprocess.run(["bash", str(script)], env={**os.environ, "BATCHPILOT_K8S_BIN": str(directory)})
+    if result.returncode != 0:
+        raise ClusterError(f"building the control plane failed ({script} exited {result.returncode})")
+    missing = [b for b in BINARIES if not (directory / b).exists()]
+    if missing:
+        raise ClusterError(f"control-plane binaries missing from {directory}: {missing}")
+    return directory
+
+
+def _openssl(*args: str, cwd: Path) -> None:
+    subprocess.run(["openssl", *args], cwd=cwd, check=True, capture_output=True)
+
+
+def make_pki(pki: Path) -> None:
+    """A CA, an apiserver serving cert for 127.0.0.1/localhost, and service-account keys."""
+    pki.mkdir(parents=True, exist_ok=True)
+    if (pki / "apiserver.crt").exists():
+        return
+    _openssl("req", "-x509", "-newkey", "rsa:2048", "-nodes", "-days", "3650", "-subj", "/CN=batchpilot-local-ca",
+             "-keyout", "ca.key", "-out", "ca.crt", cwd=pki)  # fmt: skip
+    (pki / "san.cnf").write_text(
+        "[req]\ndistinguished_name=dn\n[dn]\n[ext]\n"
+        "subjectAltName=IP:127.0.0.1,DNS:localhost,DNS:kubernetes,DNS:kubernetes.default.svc\n"
+        "keyUsage=digitalSignature,keyEncipherment\nextendedKeyUsage=serverAuth\n"
+    )
+    _openssl("req", "-newkey", "rsa:2048", "-nodes", "-subj", "/CN=kube-apiserver", "-keyout", "apiserver.key",
+             "-out", "apiserver.csr", cwd=pki)  # fmt: skip
+    _openssl("x509", "-req", "-in", "apiserver.csr", "-CA", "ca.crt", "-CAkey", "ca.key", "-CAcreateserial",
+             "-days", "3650", "-extfile", "san.cnf", "-extensions", "ext", "-out", "apiserver.crt", cwd=pki)  # fmt: skip
+    _openssl("genrsa", "-out", "sa.key", "2048", cwd=pki)
+    _openssl("rsa", "-in", "sa.key", "-pubout", "-out", "sa.pub", cwd=pki)
+
+
+def write_kubeconfig(path: Path, server: str, ca: Path, token: str) -> None:
+    path.write_text(
+        f"""apiVersion: v1
+kind: Config
+clusters:
+- name: local
+  cluster:
+    server: {server}
+    certificate-authority: {ca}
+users:
+- name: admin
+  user:
+    token: {token}
+contexts:
+- name: local
+  context: {{cluster: local, user: admin}}
+current-context: local
+"""
+    )
+
+
+def gpu_node_manifest(name: str, gpus: int = 8) -> str:
+    return f"""apiVersion: v1
+kind: Node
+metadata:
+  name: {name}
+  annotations:
+    kwok.x-k8s.io/node: fake
+    node.alpha.kubernetes.io/ttl: "0"
+  labels:
+    kubernetes.io/hostname: {name}
+    kubernetes.io/os: linux
+    kubernetes.io/arch: amd64
+    type: kwok
+    nvidia.com/gpu.present: "true"
+status:
+  allocatable: {{cpu: "64", memory: 512Gi, pods: "110", nvidia.com/gpu: "{gpus}"}}
+  capacity: {{cpu: "64", memory: 512Gi, pods: "110", nvidia.com/gpu: "{gpus}"}}
+"""
+
+
+@dataclass
+class LocalCluster:
+    workdir: Path
+    server: str
+    kubeconfig: Path
+    bin_dir: Path
+    processes: dict[str, subprocess.Popen[bytes]] = field(default_factory=dict)
+    started_in: float = 0.0
+
+    # ---- lifecycle -------------------------------------------------------------------
+    @classmethod
+    def start(cls, workdir: Path, gpu_nodes: int = 2, timeout: float = 120.0) -> LocalCluster:
+        directory = ensure_binaries()
+        t0 = time.monotonic()
+        workdir = workdir.resolve()
+        if workdir.exists():
+            shutil.rmtree(workdir)
+        (workdir / "logs").mkdir(parents=True)
+        pki = workdir / "pki"
+        make_pki(pki)
+        (workdir / "tokens.csv").write_text(f'{ADMIN_TOKEN},admin,admin-uid,"system:masters"\n')
+        api_port, etcd_port, etcd_peer = free_port(), free_port(), free_port()
+        server = f"https://127.0.0.1:{api_port}"
+        kubeconfig = workdir / "kubeconfig"
+        write_kubeconfig(kubeconfig, server, pki / "ca.crt", ADMIN_TOKEN)
+        cluster = cls(workdir=workdir, server=server, kubeconfig=kubeconfig, bin_dir=directory)
+        try:
+            cluster._spawn("etcd", [
+                "--name=local", f"--data-dir={workdir / 'etcd'}",
+                f"--listen-client-urls=http://127.0.0.1:{etcd_port}",
+                f"--advertise-client-urls=http://127.0.0.1:{etcd_port}",
+                f"--listen-peer-urls=http://127.0.0.1:{etcd_peer}",
+                f"--initial-advertise-peer-urls=http://127.0.0.1:{etcd_peer}",
+                f"--initial-cluster=local=http://127.0.0.1:{etcd_peer}",
+                "--unsafe-no-fsync", "--quota-backend-bytes=2147483648", "--log-level=warn",
+            ])  # fmt: skip
+            cluster._spawn("kube-apiserver", [
+                f"--etcd-servers=http://127.0.0.1:{etcd_port}",
+                "--bind-address=127.0.0.1", "--advertise-address=127.0.0.1", f"--secure-port={api_port}",
+                f"--tls-cert-file={pki / 'apiserver.crt'}", f"--tls-private-key-file={pki / 'apiserver.key'}",
+                f"--client-ca-file={pki / 'ca.crt'}",
+                f"--token-auth-file={workdir / 'tokens.csv'}",
+                "--service-account-issuer=https://kubernetes.default.svc",
+                f"--service-account-key-file={pki / 'sa.pub'}",
+                f"--service-account-signing-key-file={pki / 'sa.key'}",
+                "--service-cluster-ip-range=10.96.0.0/16",
+                "--authorization-mode=RBAC", "--allow-privileged=true",
+                "--enable-priority-and-fairness=false", "--profiling=false",
+                "--disable-admission-plugins=ServiceAccount",
+                "--endpoint-reconciler-type=none",
+                "--v=1",
+            ])  # fmt: skip
+            cluster.wait_ready(timeout)
+            for name in ("kube-controller-manager", "kube-scheduler"):
+                extra = (
+                    [f"--controllers={CONTROLLERS}", "--use-service-account-credentials=false",
+                     "--concurrent-deployment-syncs=10", "--concurrent-replicaset-syncs=10"]
+                    if name == "kube-controller-manager" else []
+                )  # fmt: skip
+                cluster._spawn(name, [f"--kubeconfig={kubeconfig}", "--leader-elect=false",
+                                      "--bind-address=127.0.0.1", "--secure-port=0", *extra])  # fmt: skip
+            cluster._spawn("kwok", [
+                f"--kubeconfig={kubeconfig}", "--manage-all-nodes=false",
+                "--manage-nodes-with-annotation-selector=kwok.x-k8s.io/node=fake",
+                "--manage-nodes-with-label-selector=", "--disregard-status-with-annotation-selector=kwok.x-k8s.io/status=custom",
+                "--cidr=10.0.0.1/24", "--node-ip=10.0.0.1", "--node-lease-duration-seconds=40",
+                f"--server-address=127.0.0.1:{free_port()}",
+            ])  # fmt: skip
+            nodes = "---\n".join(gpu_node_manifest(f"gpu-node-{i}") for i in range(gpu_nodes))
+            cluster.kubectl("apply", "-f", "-", input=nodes)
+            cluster.wait_for(
+                lambda: cluster.kubectl("get", "nodes", "-o",
+                                        "jsonpath={.items[*].status.conditions[?(@.type=='Ready')].status}")
+                .split().count("True") == gpu_nodes,
+                timeout, "fake GPU nodes to become Ready",
+            )  # fmt: skip
+        except BaseException:
+            cluster.stop()
+            raise
+        cluster.started_in = time.monotonic() - t0
+        return cluster
+
+    def _spawn(self, name: str, args: list[str]) -> None:
+        log = (self.workdir / "logs" / f"{name}.log").open("wb")
+        self.processes[name] = subprocess.Popen(
+            [str(self.bin_dir / name), *args], stdout=log, stderr=subprocess.STDOUT, start_new_session=True
+        )
+
+    def stop(self) -> None:
+        for name in reversed(list(self.processes)):
+            proc = self.processes[name]
+            if proc.poll() is None:
+                with contextlib.suppress(ProcessLookupError):
+                    os.killpg(proc.pid, signal.SIGTERM)
+        for proc in self.processes.values():
+            try:
+                proc.wait(timeout=15)
+            except subprocess.TimeoutExpired:
+                with contextlib.suppress(ProcessLookupError):
+                    os.killpg(proc.pid, signal.SIGKILL)
+                proc.wait()
+        self.processes.clear()
+
+    def __enter__(self) -> LocalCluster:
+        return self
+
+    def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,
+                 tb: TracebackType | None) -> None:  # fmt: skip
+        self.stop()
+
+    # ---- helpers ---------------------------------------------------------------------
+    def check_alive(self) -> None:
+        for name, proc in self.processes.items():
+            if proc.poll() is not None:
+                tail = (self.workdir / "logs" / f"{name}.log").read_text(errors="replace")[-3000:]
+                raise ClusterError(f"{name} exited with {proc.returncode}; last log lines:\n{tail}")
+
+    def wait_ready(self, timeout: float) -> None:
+        ctx = ssl.create_default_context(cafile=str(self.workdir / "pki" / "ca.crt"))
+        req = urllib.request.Request(f"{self.server}/readyz", headers={"Authorization": f"Bearer {ADMIN_TOKEN}"})
+
+        def ready() -> bool:
+            try:
+                with urllib.request.urlopen(req, context=ctx, timeout=2) as resp:
+                    return bool(resp.status == 200)
+            except OSError:
+                return False
+
+        self.wait_for(ready, timeout, "kube-apiserver /readyz")
+
+    def wait_for(self, predicate: object, timeout: float, what: str) -> None:
+        assert callable(predicate)
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            self.check_alive()
+            try:
+                if predicate():
+                    return
+            except subprocess.CalledProcessError:
+                pass
+            time.sleep(0.25)
+        raise ClusterError(f"timed out after {timeout:.0f}s waiting for {what} (logs in {self.workdir / 'logs'})")
+
+    def kubectl(self, *args: str, input: str | None = None, check: bool = True) -> str:
+        result = subprocess.run(
+            [str(self.bin_dir / "kubectl"), f"--kubeconfig={self.kubeconfig}", *args],
+            input=input, capture_output=True, text=True, check=False,
+        )  # fmt: skip
+        if check and result.returncode != 0:
+            raise subprocess.CalledProcessError(result.returncode, result.args, result.stdout, result.stderr)
+        return result.stdout
+
+
+@contextlib.contextmanager
+def local_cluster(workdir: Path, gpu_nodes: int = 2) -> Iterator[LocalCluster]:
+    cluster = LocalCluster.start(workdir, gpu_nodes=gpu_nodes)
+    try:
+        yield cluster
+    finally:
+        cluster.stop()

@@ -1,0 +1,222 @@
+"""The BatchingPolicy spec as pydantic models: the Python twin of ``crds/batchingpolicy.yaml``.
+
+Every cross-field rule here is also a CEL rule in the CRD, with the same message, so a
+policy is judged the same way at admission and by ``batchpilot validate`` in CI
+(tests/operator/test_crd_agreement.py holds the two to the same table of cases).
+Pure: imports no kopf and no Kubernetes client.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from typing import Any, Literal
+
+from batchpilot_runtime.config import (
+    LANE_NAME_PATTERN,
+    MODEL_SOURCE_PATTERN,
+    Duration,
+    LaneConfig,
+    ModelConfig,
+    RuntimeConfig,
+    format_duration,
+)
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+GROUP = "batchpilot.dev"
+VERSION = "v1alpha1"
+KIND = "BatchingPolicy"
+PLURAL = "batchingpolicies"
+API_VERSION = f"{GROUP}/{VERSION}"
+
+
+class _Spec(BaseModel):
+    model_config = ConfigDict(extra="forbid", populate_by_name=True, frozen=True)
+
+
+class SLO(_Spec):
+    p99_latency: Duration = Field(alias="p99Latency", gt=0)
+    max_queue_age: Duration = Field(alias="maxQueueAge", gt=0)
+
+
+class LaneSpec(_Spec):
+    name: str = Field(pattern=LANE_NAME_PATTERN)
+    max_batch_size: int = Field(alias="maxBatchSize", ge=1, le=4096)
+    max_queue_delay: Duration = Field(alias="maxQueueDelay")
+    max_queue_length: int = Field(alias="maxQueueLength", ge=1, le=1_000_000)
+    request_timeout: Duration = Field(alias="requestTimeout")
+    priority: int = Field(default=0, ge=0, le=100)
+    slo: SLO | None = None
+    expected_rate: float | None = Field(
+        default=None, alias="expectedRate", gt=0, description="requests/s the lane must sustain (all replicas)"
+    )
+
+    @model_validator(mode="after")
+    def _lane_rules(self) -> LaneSpec:
+        if self.request_timeout <= self.max_queue_delay:
+            raise ValueError(
+                f"spec.lanes[{self.name}].requestTimeout must be longer than maxQueueDelay: "
+                "raise requestTimeout or shorten the window"
+            )
+        if self.slo is not None and self.max_queue_delay >= self.slo.p99_latency:
+            raise ValueError(
+                f"spec.lanes[{self.name}].maxQueueDelay must be shorter than the lane's slo.p99Latency: "
+                "shorten the batching window or relax the SLO"
+            )
+        return self
+
+    def runtime_lane(self) -> LaneConfig:
+        return LaneConfig(
+            name=self.name,
+            max_batch_size=self.max_batch_size,
+            max_queue_delay=self.max_queue_delay,
+            max_queue_length=self.max_queue_length,
+            request_timeout=self.request_timeout,
+            priority=self.priority,
+        )
+
+
+class ModelSpec(_Spec):
+    name: str = Field(pattern=r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,62}$")
+    image: str = Field(min_length=1, max_length=512)
+    source: str = Field(pattern=MODEL_SOURCE_PATTERN)
+    device: Literal["auto", "cpu", "cuda"] = "cuda"
+    dtype: Literal["float32", "float16", "bfloat16"] = "float16"
+    threads: int | None = Field(default=None, ge=1, le=256)
+
+
+class Resources(_Spec):
+    gpus: int = Field(default=1, ge=0, le=16)
+    cpu: str | None = Field(default=None, pattern=r"^([0-9]+m|[0-9]+(\.[0-9]+)?)$")
+    memory: str | None = Field(default=None, pattern=r"^[0-9]+(\.[0-9]+)?(Ki|Mi|Gi|Ti|k|M|G|T)?$")
+
+
+class Toleration(_Spec):
+    key: str | None = None
+    operator: Literal["Exists", "Equal"] | None = None
+    value: str | None = None
+    effect: Literal["NoSchedule", "PreferNoSchedule", "NoExecute"] | None = None
+    toleration_seconds: int | None = Field(default=None, alias="tolerationSeconds")
+
+
+class CanaryStep(_Spec):
+    weight: int = Field(ge=1, le=100)
+    pause: Duration = Field(default=60.0, description="how long the step runs before the next one")
+
+
+class OnMetricsUnavailable(_Spec):
+    action: Literal["Hold", "Rollback"] = "Hold"
+    deadline: Duration = Field(default=600.0, description="with Rollback: how long metrics may be missing")
+
+
+def _default_steps() -> list[CanaryStep]:
+    return [CanaryStep(weight=25, pause=60.0), CanaryStep(weight=50, pause=60.0)]
+
+
+class RolloutSpec(_Spec):
+    steps: list[CanaryStep] = Field(default_factory=_default_steps, min_length=1, max_length=20)
+    analysis_interval: Duration = Field(default=30.0, alias="analysisInterval", gt=0)
+    failure_limit: int = Field(default=2, alias="failureLimit", ge=1, le=100)
+    min_samples: int = Field(default=50, alias="minSamples", ge=1)
+    max_inconclusive: int = Field(
+        default=10,
+        alias="maxInconclusive",
+        ge=1,
+        le=1000,
+        description="Inconclusive analyses in a row before the rollout stalls (it never rolls back for this)",
+    )
+    on_metrics_unavailable: OnMetricsUnavailable = Field(
+        default_factory=OnMetricsUnavailable, alias="onMetricsUnavailable"
+    )
+    history_limit: int = Field(default=5, alias="historyLimit", ge=1, le=50)
+
+    @model_validator(mode="after")
+    def _steps_increasing(self) -> RolloutSpec:
+        weights = [s.weight for s in self.steps]
+        if any(b <= a for a, b in zip(weights, weights[1:], strict=False)):
+            raise ValueError(
+                "spec.rollout.steps: weights must increase strictly from step to step (e.g. 10, 25, 50)"
+            )
+        return self
+
+
+class PolicySpec(_Spec):
+    model: ModelSpec
+    replicas: int = Field(default=1, ge=1, le=1000)
+    resources: Resources = Field(default_factory=Resources)
+    node_selector: dict[str, str] = Field(default_factory=dict, alias="nodeSelector")
+    tolerations: list[Toleration] = Field(default_factory=list, max_length=32)
+    lanes: list[LaneSpec] = Field(min_length=1, max_length=8)
+    default_lane: str | None = Field(default=None, alias="defaultLane")
+    slo: SLO
+    rollout: RolloutSpec = Field(default_factory=RolloutSpec)
+
+    @model_validator(mode="after")
+    def _policy_rules(self) -> PolicySpec:
+        names = [lane.name for lane in self.lanes]
+        if len(set(names)) != len(names):
+            raise ValueError("spec.lanes: lane names must be unique")
+        if self.default_lane is not None and self.default_lane not in names:
+            raise ValueError("spec.defaultLane must name one of spec.lanes")
+        for lane in self.lanes:
+            if lane.slo is None and lane.max_queue_delay >= self.slo.p99_latency:
+                raise ValueError(
+                    f"spec.lanes[{lane.name}].maxQueueDelay must be shorter than spec.slo.p99Latency: "
+                    "shorten the batching window or relax the SLO"
+                )
+        return self
+
+    def lane_slo(self, lane: str) -> SLO:
+        for spec_lane in self.lanes:
+            if spec_lane.name == lane:
+                return spec_lane.slo or self.slo
+        raise KeyError(lane)
+
+    def revision_relevant(self) -> dict[str, Any]:
+        """The part of the spec that the pods run: a change here is a new revision.
+
+        Replicas, SLOs and the rollout block are read by the operator only, so changing
+        them never restarts a pod nor starts a canary.
+        """
+        data = self.model_dump(mode="json", by_alias=True, exclude_none=True)
+        return {
+            key: data[key]
+            for key in ("model", "resources", "nodeSelector", "tolerations", "lanes", "defaultLane")
+            if key in data
+        } | {"lanes": [_lane_runtime_fields(lane) for lane in data["lanes"]]}
+
+    def revision(self) -> str:
+        """A short, stable hash of :meth:`revision_relevant` (10 hex characters)."""
+        canonical = json.dumps(self.revision_relevant(), sort_keys=True, separators=(",", ":"))
+        return hashlib.sha256(canonical.encode()).hexdigest()[:10]
+
+    def runtime_config(self, policy: str, revision: str, track: str = "stable") -> RuntimeConfig:
+        """The runtime's config for this spec (track is filled in by the pod, not the ConfigMap)."""
+        return RuntimeConfig(
+            policy=policy,
+            revision=revision,
+            track=track,
+            model=ModelConfig(
+                name=self.model.name,
+                source=self.model.source,
+                device=self.model.device,
+                dtype=self.model.dtype,
+                threads=self.model.threads,
+            ),
+            lanes=[lane.runtime_lane() for lane in self.lanes],
+            default_lane=self.default_lane,
+        )
+
+
+def _lane_runtime_fields(lane: dict[str, Any]) -> dict[str, Any]:
+    """A lane without its operator-only fields (SLO, expected rate)."""
+    return {k: v for k, v in lane.items() if k not in ("slo", "expectedRate")}
+
+
+def parse_spec(spec: dict[str, Any]) -> PolicySpec:
+    """Validate a raw ``.spec`` mapping (from the API or a YAML file)."""
+    return PolicySpec.model_validate(spec)
+
+
+def describe_duration(seconds: float) -> str:
+    return format_duration(seconds)

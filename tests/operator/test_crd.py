@@ -1,0 +1,186 @@
+"""The CRD's admission rules (OpenAPI schema + CEL), checked by the real kube-apiserver, and
+the pydantic twin (batchpilot_operator.spec) judging the same table the same way."""
+
+from __future__ import annotations
+
+import copy
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+from batchpilot_operator.spec import parse_spec
+from pydantic import ValidationError
+
+from bptest import Kube
+
+REPO = Path(__file__).resolve().parents[2]
+EXAMPLES = sorted((REPO / "manifests" / "examples").glob("*.yaml"))
+
+BASE: dict[str, Any] = {
+    "apiVersion": "batchpilot.dev/v1alpha1",
+    "kind": "BatchingPolicy",
+    "metadata": {"name": "p"},
+    "spec": {
+        "model": {"name": "mlp", "image": "runtime:dev", "source": "builtin:mlp"},
+        "replicas": 2,
+        "lanes": [
+            {
+                "name": "interactive",
+                "maxBatchSize": 8,
+                "maxQueueDelay": "2ms",
+                "maxQueueLength": 64,
+                "requestTimeout": "100ms",
+                "priority": 10,
+            },
+            {
+                "name": "background",
+                "maxBatchSize": 64,
+                "maxQueueDelay": "20ms",
+                "maxQueueLength": 1024,
+                "requestTimeout": "5s",
+                "slo": {"p99Latency": "2s", "maxQueueAge": "1s"},
+            },
+        ],
+        "slo": {"p99Latency": "50ms", "maxQueueAge": "10ms"},
+        "rollout": {"steps": [{"weight": 10, "pause": "30s"}, {"weight": 50, "pause": "1m"}]},
+    },
+}
+
+
+def _set(path: str, value: Any) -> Callable[[dict[str, Any]], None]:
+    """A mutation setting spec.<path> (dots; integers index lists); value None deletes."""
+
+    def mutate(spec: dict[str, Any]) -> None:
+        keys: list[str | int] = [int(k) if k.isdigit() else k for k in path.split(".")]
+        target: Any = spec
+        for key in keys[:-1]:
+            target = target[key]
+        if value is None:
+            del target[keys[-1]]
+        else:
+            target[keys[-1]] = value
+
+    return mutate
+
+
+# (case id, mutation of spec, text the apiserver's and pydantic's errors must both contain)
+INVALID: list[tuple[str, Callable[[dict[str, Any]], None], str]] = [
+    ("missing-model", _set("model", None), "model"),
+    ("no-lanes", _set("lanes", []), "lanes"),
+    ("batch-zero", _set("lanes.0.maxBatchSize", 0), "maxBatchSize"),
+    ("batch-too-big", _set("lanes.0.maxBatchSize", 5000), "maxBatchSize"),
+    ("window-not-a-duration", _set("lanes.0.maxQueueDelay", "5 ms"), "maxQueueDelay"),
+    ("window-negative", _set("lanes.0.maxQueueDelay", "-5ms"), "maxQueueDelay"),
+    ("window-over-policy-slo", _set("lanes.0.maxQueueDelay", "50ms"), "maxQueueDelay must be shorter than spec.slo"),
+    ("window-over-lane-slo", _set("lanes.1.maxQueueDelay", "3s"), "lanes[background].maxQueueDelay"),
+    ("timeout-below-window", _set("lanes.0.requestTimeout", "1ms"), "requestTimeout must be longer"),
+    ("duplicate-lanes", _set("lanes.1.name", "interactive"), "lane names must be unique"),
+    ("weights-decreasing", _set("rollout.steps", [{"weight": 50}, {"weight": 10}]), "weights must increase"),
+    ("weights-repeated", _set("rollout.steps", [{"weight": 20}, {"weight": 20}]), "weights must increase"),
+    ("weight-zero", _set("rollout.steps", [{"weight": 0}]), "weight"),
+    ("weight-over-100", _set("rollout.steps", [{"weight": 101}]), "weight"),
+    ("default-lane-unknown", _set("defaultLane", "batch"), "defaultLane"),
+    ("lane-name-invalid", _set("lanes.0.name", "Interactive_1"), "name"),
+    ("device-unknown", _set("model.device", "tpu"), "device"),
+    ("dtype-unknown", _set("model.dtype", "int8"), "dtype"),
+    ("replicas-zero", _set("replicas", 0), "replicas"),
+    ("source-unknown", _set("model.source", "http://models/x.pt"), "source"),
+    ("queue-length-zero", _set("lanes.0.maxQueueLength", 0), "maxQueueLength"),
+    ("gpus-negative", _set("resources", {"gpus": -1}), "gpus"),
+    ("priority-over-100", _set("lanes.0.priority", 101), "priority"),
+    ("metrics-action-unknown", _set("rollout.onMetricsUnavailable", {"action": "Ignore"}), "action"),
+    ("slo-zero", _set("slo.p99Latency", "0s"), "p99Latency"),
+    ("missing-slo", _set("slo", None), "slo"),
+]
+
+
+def policy_with(mutation: Callable[[dict[str, Any]], None] | None = None) -> dict[str, Any]:
+    policy = copy.deepcopy(BASE)
+    if mutation:
+        mutation(policy["spec"])
+    return policy
+
+
+def pydantic_error(spec: dict[str, Any]) -> str | None:
+    try:
+        parse_spec(spec)
+    except ValidationError as exc:
+        return "\n".join(
+            ".".join(str(p) for p in err["loc"]) + ": " + err["msg"] for err in exc.errors()
+        )
+    return None
+
+
+# ---- pure: the pydantic models --------------------------------------------------------
+
+
+@pytest.mark.parametrize(("case", "mutation", "expected"), INVALID, ids=[c[0] for c in INVALID])
+def test_models_reject_invalid_policy_naming_the_field(case: str, mutation: Any, expected: str) -> None:
+    error = pydantic_error(policy_with(mutation)["spec"])
+    assert error is not None, f"{case}: the models accepted an invalid policy"
+    assert expected in error, f"{case}: error does not name {expected!r}:\n{error}"
+
+
+@pytest.mark.parametrize("path", EXAMPLES, ids=[p.stem for p in EXAMPLES])
+def test_models_accept_examples(path: Path) -> None:
+    doc = yaml.safe_load(path.read_text())
+    assert pydantic_error(doc["spec"]) is None
+
+
+def test_revision_ignores_operator_only_fields() -> None:
+    spec = parse_spec(policy_with()["spec"])
+    scaled = parse_spec(policy_with(_set("replicas", 7))["spec"])
+    relaxed = parse_spec(policy_with(_set("slo.p99Latency", "80ms"))["spec"])
+    rewindowed = parse_spec(policy_with(_set("lanes.0.maxQueueDelay", "3ms"))["spec"])
+    assert spec.revision() == scaled.revision() == relaxed.revision()
+    assert spec.revision() != rewindowed.revision()
+    # Equivalent spellings of one duration are one revision.
+    respelled = parse_spec(policy_with(_set("lanes.0.maxQueueDelay", "2000us"))["spec"])
+    assert respelled.revision() == spec.revision()
+
+
+# ---- the real apiserver -------------------------------------------------------------------
+
+
+@pytest.mark.cluster
+def test_crd_is_established(kube: Kube) -> None:
+    crd = kube.get("crd", "batchingpolicies.batchpilot.dev")
+    assert crd is not None
+    conditions = {c["type"]: c["status"] for c in crd["status"]["conditions"]}
+    assert conditions["Established"] == "True"
+    assert conditions["NamesAccepted"] == "True"
+    out = kube.kubectl("api-resources", "--api-group=batchpilot.dev", "-o", "name").stdout
+    assert "batchingpolicies.batchpilot.dev" in out
+
+
+@pytest.mark.cluster
+def test_apiserver_rejects_each_invalid_policy_naming_the_field(kube: Kube, namespace: str) -> None:
+    failures = []
+    for case, mutation, expected in INVALID:
+        policy = policy_with(mutation)
+        policy["metadata"]["name"] = case
+        result = kube.apply(policy, "-n", namespace, "--dry-run=server", check=False)
+        if result.returncode == 0:
+            failures.append(f"{case}: accepted by the apiserver")
+        elif expected not in result.stderr:
+            failures.append(f"{case}: message does not name {expected!r}: {result.stderr.strip()}")
+    assert not failures, "\n".join(failures)
+
+
+@pytest.mark.cluster
+def test_apiserver_and_models_agree_on_valid_policies(kube: Kube, namespace: str) -> None:
+    for path in EXAMPLES:
+        result = kube.kubectl("apply", "-n", namespace, "--dry-run=server", "-f", str(path), check=False)
+        assert result.returncode == 0, f"{path.name}: {result.stderr}"
+    base = policy_with()
+    assert kube.apply(base, "-n", namespace, "--dry-run=server", check=False).returncode == 0
+    assert pydantic_error(base["spec"]) is None
+
+
+@pytest.mark.cluster
+def test_printer_columns(kube: Kube, namespace: str) -> None:
+    kube.apply(policy_with(), "-n", namespace)
+    header = kube.kubectl("get", "bp", "-n", namespace).stdout.splitlines()[0].split()
+    assert header == ["NAME", "PHASE", "STABLE", "CANARY", "WEIGHT", "AGE"]
