@@ -36,7 +36,7 @@ class Kube:
         return self.kubectl("apply", "-f", "-", *extra, input=text, check=check)
 
     def get(self, kind: str, name: str, namespace: str | None = None) -> dict[str, Any] | None:
-        args = ["get", kind, name, "-o", "json"]
+        args = ["get", kind, name, "-o", "json", "--show-managed-fields"]
         if namespace:
             args += ["-n", namespace]
         result = self.kubectl(*args, check=False)
@@ -57,3 +57,77 @@ class Kube:
                 return last
             time.sleep(0.3)
         raise AssertionError(f"timed out after {timeout}s waiting for {what}; last value: {last!r}")
+
+
+def free_port() -> int:
+    import socket
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port: int = sock.getsockname()[1]
+        return port
+
+
+@dataclass
+class OperatorProcess:
+    """`batchpilot run` as a real subprocess against the cluster under test."""
+
+    proc: subprocess.Popen[bytes]
+    metrics_port: int
+    log_path: Path
+
+    def metric(self, name: str, **labels: str) -> float:
+        """Sum of the samples of ``name`` whose labels include ``labels`` (0 if none)."""
+        import urllib.request
+
+        from prometheus_client.parser import text_string_to_metric_families
+
+        with urllib.request.urlopen(f"http://127.0.0.1:{self.metrics_port}/metrics", timeout=5) as resp:
+            text = resp.read().decode()
+        total = 0.0
+        for family in text_string_to_metric_families(text):
+            for sample in family.samples:
+                if sample.name == name and all(sample.labels.get(k) == v for k, v in labels.items()):
+                    total += sample.value
+        return total
+
+    def log(self) -> str:
+        return self.log_path.read_text(errors="replace")
+
+    def stop(self) -> None:
+        import signal
+
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(timeout=15)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+
+
+def start_operator(kube: Kube, namespace: str, log_dir: Path, prometheus_url: str, resync: float = 1.0) -> OperatorProcess:
+    import os
+    import sys
+
+    port = free_port()
+    log_path = log_dir / f"operator-{port}.log"
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "batchpilot_operator.cli", "run", f"--kubeconfig={kube.kubeconfig}",
+         f"--namespace={namespace}", f"--prometheus-url={prometheus_url}", f"--metrics-port={port}",
+         "--health-port=0", f"--resync={resync}"],
+        stdout=log_path.open("wb"), stderr=subprocess.STDOUT, env={**os.environ, "PYTHONUNBUFFERED": "1"},
+    )  # fmt: skip
+    op = OperatorProcess(proc, port, log_path)
+
+    def up() -> bool:
+        if proc.poll() is not None:
+            raise AssertionError(f"operator exited {proc.returncode}:\n{op.log()[-3000:]}")
+        try:
+            op.metric("batchpilot_operator_reconciles_total")
+        except OSError:
+            return False
+        return True
+
+    kube.wait_for(up, 60, "the operator's metrics endpoint")
+    return op

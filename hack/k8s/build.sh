@@ -15,9 +15,17 @@ if [[ -f "$out/.stamp" && "$(cat "$out/.stamp")" == "$stamp" ]]; then
 fi
 export CGO_ENABLED=0 GOFLAGS=-buildvcs=false
 cd "$here"
+k8s_version=$(go list -m -f '{{.Version}}' k8s.io/kubernetes)
+v=k8s.io/component-base/version
+cv=k8s.io/client-go/pkg/version
+ldflags="-s -w"
+for pkg in $v $cv; do
+  ldflags+=" -X $pkg.gitVersion=$k8s_version -X $pkg.gitTreeState=clean"
+  ldflags+=" -X $pkg.gitMajor=1 -X $pkg.gitMinor=$(echo "$k8s_version" | cut -d. -f2)"
+done
 for cmd in kube-apiserver kube-controller-manager kube-scheduler kubectl; do
-  echo ">> go build $cmd (first build takes several minutes on 2 cores)"
-  go build -trimpath -ldflags="-s -w" -o "$out/$cmd" "k8s.io/kubernetes/cmd/$cmd"
+  echo ">> go build $cmd $k8s_version (first build takes several minutes on 2 cores)"
+  go build -trimpath -ldflags="$ldflags" -o "$out/$cmd" "k8s.io/kubernetes/cmd/$cmd"
 done
 echo ">> go build etcd"
 go build -trimpath -ldflags="-s -w" -o "$out/etcd" .

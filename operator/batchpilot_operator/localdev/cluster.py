@@ -40,6 +40,7 @@ CONTROLLERS = ",".join(
         "namespace-controller",
         "endpointslice-controller",
         "disruption-controller",
+        "node-lifecycle-controller",  # lifts the not-ready taint once kwok reports a node Ready
     ]
 )
 

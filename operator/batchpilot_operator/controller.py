@@ -1,0 +1,189 @@
+"""One reconcile of one BatchingPolicy: observe, (maybe) analyse, plan, execute.
+
+The decision is :func:`batchpilot_operator.planner.plan` (pure); this module only gathers
+its inputs from the API and Prometheus and carries out the :class:`Decision`. The kopf
+handlers in ``handlers.py`` call :func:`reconcile` and nothing else.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+from dataclasses import dataclass
+from datetime import UTC, datetime
+from typing import Any
+
+from pydantic import ValidationError
+
+from batchpilot_operator import children, opmetrics
+from batchpilot_operator.analysis import AnalysisResult, MetricsBackend, run_analysis
+from batchpilot_operator.children import LABEL_REVISION, Manifest, Track
+from batchpilot_operator.kube import Kube, same_json
+from batchpilot_operator.planner import (
+    Commands,
+    Decision,
+    Observed,
+    PlanInputs,
+    TrackObserved,
+    analysis_due,
+    analysis_target,
+    plan,
+)
+from batchpilot_operator.spec import PolicySpec, parse_spec
+from batchpilot_operator.status import Status
+
+log = logging.getLogger(__name__)
+
+EmitEvent = Callable[[str, str, str], None]
+"""(type, reason, message) -> None: posts a Kubernetes Event on the policy."""
+
+
+@dataclass
+class ReconcileResult:
+    writes: int
+    decision: Decision | None
+    requeue_after: float | None
+
+
+def observe_track(deployment: Manifest | None) -> TrackObserved | None:
+    if deployment is None:
+        return None
+    spec = deployment.get("spec", {})
+    status = deployment.get("status") or {}
+    labels = spec.get("template", {}).get("metadata", {}).get("labels", {})
+    current = status.get("observedGeneration", 0) >= deployment["metadata"].get("generation", 0)
+    ready = min(status.get("updatedReplicas", 0), status.get("readyReplicas", 0)) if current else 0
+    return TrackObserved(revision=labels.get(LABEL_REVISION), replicas=spec.get("replicas", 0), ready_replicas=ready)
+
+
+def invalid_spec_status(body: dict[str, Any], error: ValidationError, now: datetime) -> dict[str, Any]:
+    """Status of a policy whose spec the models reject (the CRD should have caught it)."""
+    status = dict(body.get("status") or {})
+    message = "; ".join(f"{'.'.join(map(str, e['loc']))}: {e['msg']}" for e in error.errors())
+    status["message"] = f"invalid spec: {message}"
+    status["observedGeneration"] = body["metadata"].get("generation", 0)
+    status["conditions"] = [
+        {
+            "type": "Stalled",
+            "status": "True",
+            "reason": "InvalidSpec",
+            "message": message,
+            "lastTransitionTime": now.strftime("%Y-%m-%dT%H:%M:%SZ"),
+            "observedGeneration": status["observedGeneration"],
+        }
+    ]
+    return status
+
+
+def reconcile(
+    kube: Kube,
+    metrics: MetricsBackend,
+    body: dict[str, Any],
+    emit: EmitEvent,
+    now: datetime | None = None,
+) -> ReconcileResult:
+    now = now or datetime.now(UTC)
+    meta = body["metadata"]
+    name, namespace, uid = meta["name"], meta["namespace"], meta["uid"]
+    if meta.get("deletionTimestamp"):
+        return ReconcileResult(0, None, None)
+    try:
+        spec = parse_spec(body.get("spec") or {})
+    except ValidationError as exc:
+        new_status = invalid_spec_status(body, exc, now)
+        if not same_json(new_status, body.get("status")):
+            kube.replace_status(namespace, name, meta["resourceVersion"], new_status)
+            emit("Warning", "InvalidSpec", new_status["message"])
+            return ReconcileResult(1, None, None)
+        return ReconcileResult(0, None, None)
+
+    status = Status.from_dict(body.get("status"))
+    deployments: dict[Track, Manifest | None] = {
+        track: kube.get("apps/v1", "Deployment", namespace, children.deployment_name(name, track))
+        for track in ("stable", "canary")
+    }
+    observed = Observed(stable=observe_track(deployments["stable"]), canary=observe_track(deployments["canary"]))
+
+    analysis: AnalysisResult | None = None
+    target = analysis_target(status)
+    if target is not None and analysis_due(spec, status, now):
+        canary_revision, stable_revision = target
+        analysis = run_analysis(
+            metrics,
+            spec,
+            policy=name,
+            namespace=namespace,
+            canary_revision=canary_revision,
+            stable_revision=stable_revision,
+            now=now,
+        )
+
+    decision = plan(
+        PlanInputs(
+            spec=spec,
+            generation=meta.get("generation", 0),
+            status=status,
+            observed=observed,
+            now=now,
+            analysis=analysis,
+            commands=Commands.from_annotations(meta.get("annotations")),
+        )
+    )
+    writes = execute(kube, body, spec, decision, deployments)
+    for event in decision.events:
+        emit(event.type, event.reason, event.message)
+    opmetrics.record(namespace, name, decision)
+    return ReconcileResult(writes, decision, decision.requeue_after)
+
+
+def execute(
+    kube: Kube,
+    body: dict[str, Any],
+    spec: PolicySpec,
+    decision: Decision,
+    deployments: dict[Track, Manifest | None],
+) -> int:
+    """Make the children match the decision, then write the status; count the writes."""
+    meta = body["metadata"]
+    name, namespace, uid = meta["name"], meta["namespace"], meta["uid"]
+    writes = 0
+    configmaps = {
+        cm["metadata"]["labels"].get(LABEL_REVISION): cm
+        for cm in kube.list_owned("v1", "ConfigMap", namespace, name)
+    }
+    needed = [decision.stable_revision] + ([decision.canary_revision] if decision.canary_revision else [])
+    for revision in needed:
+        manifest = children.build_configmap(name, namespace, uid, spec, revision)
+        writes += kube.apply(manifest, configmaps.get(revision))
+
+    writes += kube.apply(
+        children.build_deployment(
+            name, namespace, uid, spec, "stable", decision.stable_revision, decision.stable_replicas
+        ),
+        deployments["stable"],
+    )
+    if decision.canary_revision and decision.canary_replicas > 0:
+        writes += kube.apply(
+            children.build_deployment(
+                name, namespace, uid, spec, "canary", decision.canary_revision, decision.canary_replicas
+            ),
+            deployments["canary"],
+        )
+    elif deployments["canary"] is not None:
+        writes += kube.delete("apps/v1", "Deployment", namespace, children.deployment_name(name, "canary"))
+
+    service = children.build_service(name, namespace, uid)
+    writes += kube.apply(service, kube.get("v1", "Service", namespace, name))
+
+    keep = set(decision.keep_revisions) | set(needed)
+    for revision, cm in configmaps.items():
+        if revision not in keep:
+            writes += kube.delete("v1", "ConfigMap", namespace, cm["metadata"]["name"])
+
+    new_status = decision.status.to_dict()
+    if decision.status.current_step_index is not None and decision.status.step_count:
+        new_status["stepLabel"] = f"{decision.status.current_step_index + 1}/{decision.status.step_count}"
+    if not same_json(new_status, body.get("status") or {}):
+        kube.replace_status(namespace, name, meta["resourceVersion"], new_status)
+        writes += 1
+    return writes
