@@ -25,13 +25,19 @@ class Kube:
     def kubectl(self, *args: str, input: str | None = None, check: bool = True) -> subprocess.CompletedProcess[str]:
         result = subprocess.run(
             [self.kubectl_bin, f"--kubeconfig={self.kubeconfig}", *args],
-            input=input, capture_output=True, text=True, check=False, timeout=60,
-        )  # fmt: skip
+            input=input,
+            capture_output=True,
+            text=True,
+            check=False,
+            timeout=60,
+        )
         if check and result.returncode != 0:
             raise AssertionError(f"kubectl {' '.join(args)} failed:\n{result.stderr}")
         return result
 
-    def apply(self, manifest: dict[str, Any] | str, *extra: str, check: bool = True) -> subprocess.CompletedProcess[str]:
+    def apply(
+        self, manifest: dict[str, Any] | str, *extra: str, check: bool = True
+    ) -> subprocess.CompletedProcess[str]:
         text = manifest if isinstance(manifest, str) else yaml.safe_dump(manifest)
         return self.kubectl("apply", "-f", "-", *extra, input=text, check=check)
 
@@ -106,18 +112,31 @@ class OperatorProcess:
                 self.proc.wait()
 
 
-def start_operator(kube: Kube, namespace: str, log_dir: Path, prometheus_url: str, resync: float = 1.0) -> OperatorProcess:
+def start_operator(
+    kube: Kube, namespace: str, log_dir: Path, prometheus_url: str, resync: float = 1.0
+) -> OperatorProcess:
     import os
     import sys
 
     port = free_port()
     log_path = log_dir / f"operator-{port}.log"
     proc = subprocess.Popen(
-        [sys.executable, "-m", "batchpilot_operator.cli", "run", f"--kubeconfig={kube.kubeconfig}",
-         f"--namespace={namespace}", f"--prometheus-url={prometheus_url}", f"--metrics-port={port}",
-         "--health-port=0", f"--resync={resync}"],
-        stdout=log_path.open("wb"), stderr=subprocess.STDOUT, env={**os.environ, "PYTHONUNBUFFERED": "1"},
-    )  # fmt: skip
+        [
+            sys.executable,
+            "-m",
+            "batchpilot_operator.cli",
+            "run",
+            f"--kubeconfig={kube.kubeconfig}",
+            f"--namespace={namespace}",
+            f"--prometheus-url={prometheus_url}",
+            f"--metrics-port={port}",
+            "--health-port=0",
+            f"--resync={resync}",
+        ],
+        stdout=log_path.open("wb"),
+        stderr=subprocess.STDOUT,
+        env={**os.environ, "PYTHONUNBUFFERED": "1"},
+    )
     op = OperatorProcess(proc, port, log_path)
 
     def up() -> bool:

@@ -17,6 +17,7 @@ import pytest
 
 from bptest import CRD, Kube
 
+
 @pytest.fixture(scope="session")
 def kube(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Kube]:
     external = os.environ.get("BATCHPILOT_TEST_KUBECONFIG")

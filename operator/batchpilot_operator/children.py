@@ -79,9 +79,7 @@ def applied_hash(obj: Manifest | None) -> str | None:
     return str(value) if value is not None else None
 
 
-def build_configmap(
-    policy: str, namespace: str, uid: str, spec: PolicySpec, revision: str
-) -> Manifest:
+def build_configmap(policy: str, namespace: str, uid: str, spec: PolicySpec, revision: str) -> Manifest:
     config = spec.runtime_config(policy=policy, revision=revision)
     return _stamp(
         {

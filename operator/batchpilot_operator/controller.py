@@ -84,7 +84,7 @@ def reconcile(
 ) -> ReconcileResult:
     now = now or datetime.now(UTC)
     meta = body["metadata"]
-    name, namespace, uid = meta["name"], meta["namespace"], meta["uid"]
+    name, namespace = meta["name"], meta["namespace"]
     if meta.get("deletionTimestamp"):
         return ReconcileResult(0, None, None)
     try:
@@ -148,8 +148,7 @@ def execute(
     name, namespace, uid = meta["name"], meta["namespace"], meta["uid"]
     writes = 0
     configmaps = {
-        cm["metadata"]["labels"].get(LABEL_REVISION): cm
-        for cm in kube.list_owned("v1", "ConfigMap", namespace, name)
+        cm["metadata"]["labels"].get(LABEL_REVISION): cm for cm in kube.list_owned("v1", "ConfigMap", namespace, name)
     }
     needed = [decision.stable_revision] + ([decision.canary_revision] if decision.canary_revision else [])
     for revision in needed:

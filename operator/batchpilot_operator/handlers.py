@@ -46,6 +46,7 @@ def _lock(memo: kopf.Memo) -> asyncio.Lock:
 async def _reconcile(body: kopf.Body, memo: kopf.Memo, logger: logging.Logger | logging.LoggerAdapter[Any]) -> None:
     # The event and the timer handler of one policy never reconcile at the same time.
     async with _lock(memo):
+
         def emit(type_: str, reason: str, message: str) -> None:
             kopf.event(body, type=type_, reason=reason, message=message)
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 from typing import TYPE_CHECKING
 
 from prometheus_client import Counter, Gauge
@@ -56,13 +57,8 @@ def record(namespace: str, policy: str, decision: Decision) -> None:
 
 def forget(namespace: str, policy: str) -> None:
     """Drop a deleted policy's gauges."""
-    for gauge in (CANARY_WEIGHT,):
-        try:
-            gauge.remove(namespace, policy)
-        except KeyError:
-            pass
+    with contextlib.suppress(KeyError):
+        CANARY_WEIGHT.remove(namespace, policy)
     for phase in PHASES:
-        try:
+        with contextlib.suppress(KeyError):
             PHASE.remove(namespace, policy, phase)
-        except KeyError:
-            pass

@@ -9,8 +9,11 @@ Pure: imports no kopf and no Kubernetes client.
 from __future__ import annotations
 
 import hashlib
+import itertools
 import json
 from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from batchpilot_runtime.config import (
     LANE_NAME_PATTERN,
@@ -21,7 +24,6 @@ from batchpilot_runtime.config import (
     RuntimeConfig,
     format_duration,
 )
-from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 GROUP = "batchpilot.dev"
 VERSION = "v1alpha1"
@@ -48,7 +50,10 @@ class LaneSpec(_Spec):
     priority: int = Field(default=0, ge=0, le=100)
     slo: SLO | None = None
     expected_rate: float | None = Field(
-        default=None, alias="expectedRate", gt=0, description="requests/s the lane must sustain (all replicas)"
+        default=None,
+        alias="expectedRate",
+        gt=0,
+        description="requests/s the lane must sustain (all replicas)",
     )
 
     @model_validator(mode="after")
@@ -133,10 +138,8 @@ class RolloutSpec(_Spec):
     @model_validator(mode="after")
     def _steps_increasing(self) -> RolloutSpec:
         weights = [s.weight for s in self.steps]
-        if any(b <= a for a, b in zip(weights, weights[1:], strict=False)):
-            raise ValueError(
-                "spec.rollout.steps: weights must increase strictly from step to step (e.g. 10, 25, 50)"
-            )
+        if any(b <= a for a, b in itertools.pairwise(weights)):
+            raise ValueError("spec.rollout.steps: weights must increase strictly from step to step (e.g. 10, 25, 50)")
         return self
 
 

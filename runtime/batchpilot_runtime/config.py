@@ -103,9 +103,7 @@ Duration = Annotated[
 """A duration: written as a Go-style string, held as float seconds."""
 
 LANE_NAME_PATTERN = r"^[a-z]([a-z0-9-]{0,30}[a-z0-9])?$"
-MODEL_SOURCE_PATTERN = (
-    r"^(builtin:(mlp|transformer|tiny-mlp)|torchscript:.+|python:[A-Za-z_][\w.]*:[A-Za-z_]\w*)$"
-)
+MODEL_SOURCE_PATTERN = r"^(builtin:(mlp|transformer|tiny-mlp)|torchscript:.+|python:[A-Za-z_][\w.]*:[A-Za-z_]\w*)$"
 
 
 class _Model(BaseModel):

@@ -10,9 +10,9 @@ from typing import Any
 
 import pytest
 import yaml
-from batchpilot_operator.spec import parse_spec
 from pydantic import ValidationError
 
+from batchpilot_operator.spec import parse_spec
 from bptest import Kube
 
 REPO = Path(__file__).resolve().parents[2]
@@ -73,7 +73,11 @@ INVALID: list[tuple[str, Callable[[dict[str, Any]], None], str]] = [
     ("batch-too-big", _set("lanes.0.maxBatchSize", 5000), "maxBatchSize"),
     ("window-not-a-duration", _set("lanes.0.maxQueueDelay", "5 ms"), "maxQueueDelay"),
     ("window-negative", _set("lanes.0.maxQueueDelay", "-5ms"), "maxQueueDelay"),
-    ("window-over-policy-slo", _set("lanes.0.maxQueueDelay", "50ms"), "maxQueueDelay must be shorter than spec.slo"),
+    (
+        "window-over-policy-slo",
+        _set("lanes.0.maxQueueDelay", "50ms"),
+        "maxQueueDelay must be shorter than spec.slo",
+    ),
     ("window-over-lane-slo", _set("lanes.1.maxQueueDelay", "3s"), "lanes[background].maxQueueDelay"),
     ("timeout-below-window", _set("lanes.0.requestTimeout", "1ms"), "requestTimeout must be longer"),
     ("duplicate-lanes", _set("lanes.1.name", "interactive"), "lane names must be unique"),
@@ -107,9 +111,7 @@ def pydantic_error(spec: dict[str, Any]) -> str | None:
     try:
         parse_spec(spec)
     except ValidationError as exc:
-        return "\n".join(
-            ".".join(str(p) for p in err["loc"]) + ": " + err["msg"] for err in exc.errors()
-        )
+        return "\n".join(".".join(str(p) for p in err["loc"]) + ": " + err["msg"] for err in exc.errors())
     return None
 
 

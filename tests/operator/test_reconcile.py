@@ -33,7 +33,7 @@ POLICY: dict[str, Any] = {
                 "requestTimeout": "100ms",
                 "priority": 10,
             },
-        ],  # fmt: skip
+        ],
         "slo": {"p99Latency": "50ms", "maxQueueAge": "10ms"},
         "rollout": {"steps": [{"weight": 50, "pause": "1h"}], "analysisInterval": "10s"},
     },
@@ -107,8 +107,11 @@ def test_policy_reconciles_into_owned_children(kube: Kube, namespace: str, opera
     assert {p["spec"]["nodeName"] for p in pods} <= {"gpu-node-0", "gpu-node-1"}
 
     # The spec itself is never written by the operator.
-    managers = {f["manager"] for f in kube.get("batchingpolicy", "ranker", namespace)["metadata"]["managedFields"]
-                if f.get("subresource") != "status"}  # fmt: skip
+    managers = {
+        f["manager"]
+        for f in kube.get("batchingpolicy", "ranker", namespace)["metadata"]["managedFields"]
+        if f.get("subresource") != "status"
+    }
     assert "batchpilot" not in managers
 
 
@@ -128,18 +131,18 @@ def test_idle_resync_writes_nothing(kube: Kube, namespace: str, operator: Operat
     # Let the operator settle (the last reconcile wrote nothing), then watch three more.
     kube.wait_for(
         lambda: operator.metric("batchpilot_operator_reconciles_total", namespace=namespace, wrote="false") >= 1,
-        60, "a reconcile without writes",
-    )  # fmt: skip
+        60,
+        "a reconcile without writes",
+    )
     before = versions()
     idle = operator.metric("batchpilot_operator_reconciles_total", namespace=namespace, wrote="false")
     writes = operator.metric("batchpilot_operator_reconciles_total", namespace=namespace, wrote="true")
     kube.wait_for(
         lambda: operator.metric("batchpilot_operator_reconciles_total", namespace=namespace, wrote="false") >= idle + 3,
-        60, "three more resyncs",
-    )  # fmt: skip
-    assert (
-        operator.metric("batchpilot_operator_reconciles_total", namespace=namespace, wrote="true") == writes
+        60,
+        "three more resyncs",
     )
+    assert operator.metric("batchpilot_operator_reconciles_total", namespace=namespace, wrote="true") == writes
     assert versions() == before
 
 
@@ -157,17 +160,23 @@ def test_spec_change_makes_new_revision_and_delete_collects_children(
         60,
         "a new desired revision",
     )
-    cm = kube.wait_for(
-        lambda: kube.get("configmap", f"ranker-{second}", namespace), 60, "the new revision's ConfigMap"
-    )
+    cm = kube.wait_for(lambda: kube.get("configmap", f"ranker-{second}", namespace), 60, "the new revision's ConfigMap")
     assert json.loads(cm["data"]["config.json"])["lanes"][0]["maxQueueDelay"] == "4ms"
     assert kube.get("configmap", f"ranker-{first}", namespace) is not None  # stable still serves it
 
     kube.kubectl("delete", "batchingpolicy", "ranker", "-n", namespace, "--wait=true", "--timeout=60s")
 
     def gone() -> bool:
-        left = kube.kubectl("get", "deployments,services,configmaps", "-n", namespace,
-                            "-l", "batchpilot.dev/policy=ranker", "-o", "name").stdout.split()  # fmt: skip
+        left = kube.kubectl(
+            "get",
+            "deployments,services,configmaps",
+            "-n",
+            namespace,
+            "-l",
+            "batchpilot.dev/policy=ranker",
+            "-o",
+            "name",
+        ).stdout.split()
         return not left
 
     kube.wait_for(gone, 90, "garbage collection of the children")

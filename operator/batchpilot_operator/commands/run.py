@@ -12,8 +12,11 @@ from typing import Any
 def register(sub: Any) -> None:
     p: argparse.ArgumentParser = sub.add_parser("run", help="run the operator")
     p.add_argument("--kubeconfig", help="kubeconfig to use (default: in-cluster, then ~/.kube/config)")
-    p.add_argument("--prometheus-url", default=os.environ.get("BATCHPILOT_PROMETHEUS_URL"),
-                   help="Prometheus that scrapes the runtime pods")  # fmt: skip
+    p.add_argument(
+        "--prometheus-url",
+        default=os.environ.get("BATCHPILOT_PROMETHEUS_URL"),
+        help="Prometheus that scrapes the runtime pods",
+    )
     p.add_argument("--namespace", action="append", default=[], help="watch only these namespaces (repeatable)")
     p.add_argument("--metrics-port", type=int, default=8080, help="operator metrics port (0: off)")
     p.add_argument("--health-port", type=int, default=8081, help="kopf liveness endpoint port (0: off)")
@@ -35,8 +38,10 @@ def run(args: argparse.Namespace) -> int:
 
     from batchpilot_operator import handlers  # noqa: F401  (registers the handlers)
 
-    logging.basicConfig(level=logging.DEBUG if args.verbose else logging.INFO,
-                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")  # fmt: skip
+    logging.basicConfig(
+        level=logging.DEBUG if args.verbose else logging.INFO,
+        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+    )
     if not args.verbose:
         # kopf logs every successful handler run at INFO: once a second per policy here.
         logging.getLogger("kopf.objects").setLevel(logging.WARNING)
@@ -46,7 +51,7 @@ def run(args: argparse.Namespace) -> int:
     asyncio.run(
         kopf.operator(
             clusterwide=not args.namespace,
-            namespaces=args.namespace or None,
+            namespaces=list(args.namespace),
             liveness_endpoint=liveness,
             standalone=True,
         )

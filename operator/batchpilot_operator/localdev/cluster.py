@@ -82,17 +82,60 @@ def make_pki(pki: Path) -> None:
     pki.mkdir(parents=True, exist_ok=True)
     if (pki / "apiserver.crt").exists():
         return
-    _openssl("req", "-x509", "-newkey", "rsa:2048", "-nodes", "-days", "3650", "-subj", "/CN=batchpilot-local-ca",
-             "-keyout", "ca.key", "-out", "ca.crt", cwd=pki)  # fmt: skip
+    _openssl(
+        "req",
+        "-x509",
+        "-newkey",
+        "rsa:2048",
+        "-nodes",
+        "-days",
+        "3650",
+        "-subj",
+        "/CN=batchpilot-local-ca",
+        "-keyout",
+        "ca.key",
+        "-out",
+        "ca.crt",
+        cwd=pki,
+    )
     (pki / "san.cnf").write_text(
         "[req]\ndistinguished_name=dn\n[dn]\n[ext]\n"
         "subjectAltName=IP:127.0.0.1,DNS:localhost,DNS:kubernetes,DNS:kubernetes.default.svc\n"
         "keyUsage=digitalSignature,keyEncipherment\nextendedKeyUsage=serverAuth\n"
     )
-    _openssl("req", "-newkey", "rsa:2048", "-nodes", "-subj", "/CN=kube-apiserver", "-keyout", "apiserver.key",
-             "-out", "apiserver.csr", cwd=pki)  # fmt: skip
-    _openssl("x509", "-req", "-in", "apiserver.csr", "-CA", "ca.crt", "-CAkey", "ca.key", "-CAcreateserial",
-             "-days", "3650", "-extfile", "san.cnf", "-extensions", "ext", "-out", "apiserver.crt", cwd=pki)  # fmt: skip
+    _openssl(
+        "req",
+        "-newkey",
+        "rsa:2048",
+        "-nodes",
+        "-subj",
+        "/CN=kube-apiserver",
+        "-keyout",
+        "apiserver.key",
+        "-out",
+        "apiserver.csr",
+        cwd=pki,
+    )
+    _openssl(
+        "x509",
+        "-req",
+        "-in",
+        "apiserver.csr",
+        "-CA",
+        "ca.crt",
+        "-CAkey",
+        "ca.key",
+        "-CAcreateserial",
+        "-days",
+        "3650",
+        "-extfile",
+        "san.cnf",
+        "-extensions",
+        "ext",
+        "-out",
+        "apiserver.crt",
+        cwd=pki,
+    )
     _openssl("genrsa", "-out", "sa.key", "2048", cwd=pki)
     _openssl("rsa", "-in", "sa.key", "-pubout", "-out", "sa.pub", cwd=pki)
 
@@ -165,55 +208,98 @@ class LocalCluster:
         write_kubeconfig(kubeconfig, server, pki / "ca.crt", ADMIN_TOKEN)
         cluster = cls(workdir=workdir, server=server, kubeconfig=kubeconfig, bin_dir=directory)
         try:
-            cluster._spawn("etcd", [
-                "--name=local", f"--data-dir={workdir / 'etcd'}",
-                f"--listen-client-urls=http://127.0.0.1:{etcd_port}",
-                f"--advertise-client-urls=http://127.0.0.1:{etcd_port}",
-                f"--listen-peer-urls=http://127.0.0.1:{etcd_peer}",
-                f"--initial-advertise-peer-urls=http://127.0.0.1:{etcd_peer}",
-                f"--initial-cluster=local=http://127.0.0.1:{etcd_peer}",
-                "--unsafe-no-fsync", "--quota-backend-bytes=2147483648", "--log-level=warn",
-            ])  # fmt: skip
-            cluster._spawn("kube-apiserver", [
-                f"--etcd-servers=http://127.0.0.1:{etcd_port}",
-                "--bind-address=127.0.0.1", "--advertise-address=127.0.0.1", f"--secure-port={api_port}",
-                f"--tls-cert-file={pki / 'apiserver.crt'}", f"--tls-private-key-file={pki / 'apiserver.key'}",
-                f"--client-ca-file={pki / 'ca.crt'}",
-                f"--token-auth-file={workdir / 'tokens.csv'}",
-                "--service-account-issuer=https://kubernetes.default.svc",
-                f"--service-account-key-file={pki / 'sa.pub'}",
-                f"--service-account-signing-key-file={pki / 'sa.key'}",
-                "--service-cluster-ip-range=10.96.0.0/16",
-                "--authorization-mode=RBAC", "--allow-privileged=true",
-                "--enable-priority-and-fairness=false", "--profiling=false",
-                "--disable-admission-plugins=ServiceAccount",
-                "--endpoint-reconciler-type=none",
-                "--v=1",
-            ])  # fmt: skip
+            cluster._spawn(
+                "etcd",
+                [
+                    "--name=local",
+                    f"--data-dir={workdir / 'etcd'}",
+                    f"--listen-client-urls=http://127.0.0.1:{etcd_port}",
+                    f"--advertise-client-urls=http://127.0.0.1:{etcd_port}",
+                    f"--listen-peer-urls=http://127.0.0.1:{etcd_peer}",
+                    f"--initial-advertise-peer-urls=http://127.0.0.1:{etcd_peer}",
+                    f"--initial-cluster=local=http://127.0.0.1:{etcd_peer}",
+                    "--unsafe-no-fsync",
+                    "--quota-backend-bytes=2147483648",
+                    "--log-level=warn",
+                ],
+            )
+            cluster._spawn(
+                "kube-apiserver",
+                [
+                    f"--etcd-servers=http://127.0.0.1:{etcd_port}",
+                    "--bind-address=127.0.0.1",
+                    "--advertise-address=127.0.0.1",
+                    f"--secure-port={api_port}",
+                    f"--tls-cert-file={pki / 'apiserver.crt'}",
+                    f"--tls-private-key-file={pki / 'apiserver.key'}",
+                    f"--client-ca-file={pki / 'ca.crt'}",
+                    f"--token-auth-file={workdir / 'tokens.csv'}",
+                    "--service-account-issuer=https://kubernetes.default.svc",
+                    f"--service-account-key-file={pki / 'sa.pub'}",
+                    f"--service-account-signing-key-file={pki / 'sa.key'}",
+                    "--service-cluster-ip-range=10.96.0.0/16",
+                    "--authorization-mode=RBAC",
+                    "--allow-privileged=true",
+                    "--enable-priority-and-fairness=false",
+                    "--profiling=false",
+                    "--disable-admission-plugins=ServiceAccount",
+                    "--endpoint-reconciler-type=none",
+                    "--v=1",
+                ],
+            )
             cluster.wait_ready(timeout)
             for name in ("kube-controller-manager", "kube-scheduler"):
                 extra = (
-                    [f"--controllers={CONTROLLERS}", "--use-service-account-credentials=false",
-                     "--concurrent-deployment-syncs=10", "--concurrent-replicaset-syncs=10"]
-                    if name == "kube-controller-manager" else []
-                )  # fmt: skip
-                cluster._spawn(name, [f"--kubeconfig={kubeconfig}", "--leader-elect=false",
-                                      "--bind-address=127.0.0.1", "--secure-port=0", *extra])  # fmt: skip
-            cluster._spawn("kwok", [
-                f"--kubeconfig={kubeconfig}", "--manage-all-nodes=false",
-                "--manage-nodes-with-annotation-selector=kwok.x-k8s.io/node=fake",
-                "--manage-nodes-with-label-selector=", "--disregard-status-with-annotation-selector=kwok.x-k8s.io/status=custom",
-                "--cidr=10.0.0.1/24", "--node-ip=10.0.0.1", "--node-lease-duration-seconds=40",
-                f"--server-address=127.0.0.1:{free_port()}",
-            ])  # fmt: skip
+                    [
+                        f"--controllers={CONTROLLERS}",
+                        "--use-service-account-credentials=false",
+                        "--concurrent-deployment-syncs=10",
+                        "--concurrent-replicaset-syncs=10",
+                    ]
+                    if name == "kube-controller-manager"
+                    else []
+                )
+                cluster._spawn(
+                    name,
+                    [
+                        f"--kubeconfig={kubeconfig}",
+                        "--leader-elect=false",
+                        "--bind-address=127.0.0.1",
+                        "--secure-port=0",
+                        *extra,
+                    ],
+                )
+            cluster._spawn(
+                "kwok",
+                [
+                    f"--kubeconfig={kubeconfig}",
+                    "--manage-all-nodes=false",
+                    "--manage-nodes-with-annotation-selector=kwok.x-k8s.io/node=fake",
+                    "--manage-nodes-with-label-selector=",
+                    "--disregard-status-with-annotation-selector=kwok.x-k8s.io/status=custom",
+                    "--cidr=10.0.0.1/24",
+                    "--node-ip=10.0.0.1",
+                    "--node-lease-duration-seconds=40",
+                    f"--server-address=127.0.0.1:{free_port()}",
+                ],
+            )
             nodes = "---\n".join(gpu_node_manifest(f"gpu-node-{i}") for i in range(gpu_nodes))
             cluster.kubectl("apply", "-f", "-", input=nodes)
             cluster.wait_for(
-                lambda: cluster.kubectl("get", "nodes", "-o",
-                                        "jsonpath={.items[*].status.conditions[?(@.type=='Ready')].status}")
-                .split().count("True") == gpu_nodes,
-                timeout, "fake GPU nodes to become Ready",
-            )  # fmt: skip
+                lambda: (
+                    cluster.kubectl(
+                        "get",
+                        "nodes",
+                        "-o",
+                        "jsonpath={.items[*].status.conditions[?(@.type=='Ready')].status}",
+                    )
+                    .split()
+                    .count("True")
+                    == gpu_nodes
+                ),
+                timeout,
+                "fake GPU nodes to become Ready",
+            )
         except BaseException:
             cluster.stop()
             raise
@@ -244,8 +330,9 @@ class LocalCluster:
     def __enter__(self) -> LocalCluster:
         return self
 
-    def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,
-                 tb: TracebackType | None) -> None:  # fmt: skip
+    def __exit__(
+        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+    ) -> None:
         self.stop()
 
     # ---- helpers ---------------------------------------------------------------------
@@ -284,8 +371,11 @@ class LocalCluster:
     def kubectl(self, *args: str, input: str | None = None, check: bool = True) -> str:
         result = subprocess.run(
             [str(self.bin_dir / "kubectl"), f"--kubeconfig={self.kubeconfig}", *args],
-            input=input, capture_output=True, text=True, check=False,
-        )  # fmt: skip
+            input=input,
+            capture_output=True,
+            text=True,
+            check=False,
+        )
         if check and result.returncode != 0:
             raise subprocess.CalledProcessError(result.returncode, result.args, result.stdout, result.stderr)
         return result.stdout

@@ -1,0 +1,48 @@
+#!/usr/bin/env bash
+# One-time (and idempotent) set-up for the demo and the tests on a Debian machine:
+#   apt packages (Prometheus + promtool, Lua 5.1, openssl), a virtualenv in .venv with torch
+#   and batchpilot (editable, all extras), and the local control plane built from Go modules.
+# Re-running it reuses what is there: each step is skipped when its inputs did not change.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+say() { printf '\033[1m>> %s\033[0m\n' "$*"; }
+
+# --- system packages ------------------------------------------------------------------
+need=()
+command -v prometheus >/dev/null || need+=(prometheus)
+command -v promtool >/dev/null || need+=(prometheus)
+command -v lua5.1 >/dev/null || need+=(lua5.1)
+command -v openssl >/dev/null || need+=(openssl)
+command -v go >/dev/null || need+=(golang-go)
+if ((${#need[@]})); then
+  say "apt-get install ${need[*]}"
+  sudo_=""; [[ $(id -u) == 0 ]] || sudo_=sudo
+  $sudo_ apt-get update -qq
+  DEBIAN_FRONTEND=noninteractive $sudo_ apt-get install -y -qq --no-install-recommends "${need[@]}" >/dev/null
+  # Debian starts a system Prometheus on :9090; the tests start their own on free ports.
+  $sudo_ systemctl disable --now prometheus prometheus-node-exporter >/dev/null 2>&1 || true
+fi
+
+# --- python ---------------------------------------------------------------------------
+PY=${PYTHON:-python3}
+if [[ ! -x .venv/bin/python ]]; then
+  say "creating .venv"
+  "$PY" -m venv .venv
+fi
+if ! .venv/bin/python -c "import torch" 2>/dev/null; then
+  # Prefer a CPU-only torch wheel lying on the machine (PyPI's Linux torch is a multi-GB
+  # CUDA build); otherwise install PyPI's.
+  wheel=${BATCHPILOT_TORCH_WHEEL:-$(ls /opt/wheels/torch-*cpu*.whl 2>/dev/null | head -n1 || true)}
+  say "installing torch ${wheel:-from PyPI (large download, once)}"
+  .venv/bin/pip install -q ${wheel:-torch}
+fi
+stamp=$(cat pyproject.toml | sha256sum | cut -c1-16)
+if [[ "$(cat .venv/.batchpilot-stamp 2>/dev/null)" != "$stamp" ]]; then
+  say "installing batchpilot and its dependencies into .venv"
+  .venv/bin/pip install -q -e ".[operator,runtime,demo,dev]"
+  echo "$stamp" > .venv/.batchpilot-stamp
+fi
+
+# --- the local control plane ----------------------------------------------------------
+say "control plane binaries (go build through the module proxy; first time ~7 min on 2 cores)"
+bash hack/k8s/build.sh

@@ -1,0 +1,217 @@
+"""Local runtime harness: one real runtime server process per pod of our Deployments.
+
+kwok makes pods Running/Ready without running anything, so on one machine this harness plays
+the container runtime: for every running pod of a batchpilot Deployment in a namespace it
+starts ``python -m batchpilot_runtime.server`` with that pod's revision config (read from the
+ConfigMap the pod mounts) and track, and registers it as a Prometheus target (file_sd)
+labelled like the pod would be by the PodMonitor: ``namespace``, ``policy``, ``revision``,
+``track``, ``pod``. When a pod goes away its process is drained with SIGTERM.
+
+Traffic is spread over the processes of a policy as a Service spreads it over ready
+endpoints: uniformly per pod, so the canary's share follows its share of pods.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+import urllib.request
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from kubernetes import client, config
+
+from batchpilot_operator.children import CONFIG_KEY, LABEL_POLICY, LABEL_REVISION, LABEL_TRACK
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port: int = sock.getsockname()[1]
+        return port
+
+
+@dataclass
+class RuntimeProcess:
+    pod: str
+    policy: str
+    revision: str
+    track: str
+    port: int
+    proc: subprocess.Popen[bytes]
+    ready: bool = False
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+
+class RuntimeHarness:
+    def __init__(self, kubeconfig: Path, namespace: str, workdir: Path, targets_file: Path) -> None:
+        self.namespace = namespace
+        self.workdir = workdir
+        self.targets_file = targets_file
+        workdir.mkdir(parents=True, exist_ok=True)
+        self.core = client.CoreV1Api(config.new_client_from_config(config_file=str(kubeconfig)))  # type: ignore[no-untyped-call]
+        self.procs: dict[str, RuntimeProcess] = {}
+        self._lock = threading.Lock()
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+        self.errors: list[str] = []
+        self._write_targets()
+
+    # ---- lifecycle ---------------------------------------------------------------------
+    def start(self, interval: float = 0.5) -> RuntimeHarness:
+        def loop() -> None:
+            while not self._stop.is_set():
+                try:
+                    self.sync()
+                except Exception as exc:  # keep the harness alive; the test reads errors
+                    self.errors.append(repr(exc))
+                self._stop.wait(interval)
+
+        self._thread = threading.Thread(target=loop, name="runtime-harness", daemon=True)
+        self._thread.start()
+        return self
+
+    def stop(self) -> None:
+        self._stop.set()
+        if self._thread:
+            self._thread.join(timeout=10)
+        with self._lock:
+            for name in list(self.procs):
+                self._terminate(name)
+            self._write_targets()
+
+    def __enter__(self) -> RuntimeHarness:
+        return self.start()
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+    # ---- one pass --------------------------------------------------------------------------
+    def sync(self) -> None:
+        pods: list[Any] = self.core.list_namespaced_pod(self.namespace, label_selector=LABEL_POLICY).items
+        wanted: dict[str, Any] = {}
+        for pod in pods:
+            if pod.metadata.deletion_timestamp is not None or pod.status.phase != "Running":
+                continue
+            wanted[pod.metadata.name] = pod
+        with self._lock:
+            changed = False
+            for name in list(self.procs):
+                if name not in wanted:
+                    self._terminate(name)
+                    changed = True
+            for name, pod in wanted.items():
+                if name not in self.procs:
+                    self._launch(pod)
+                    changed = True
+            for proc in self.procs.values():
+                if proc.proc.poll() is not None:
+                    self.errors.append(f"runtime for pod {proc.pod} exited with {proc.proc.returncode}")
+                if not proc.ready and self._probe(proc):
+                    proc.ready = True
+                    changed = True
+            if changed:
+                self._write_targets()
+
+    def _launch(self, pod: Any) -> None:
+        labels = pod.metadata.labels or {}
+        cm_name = next(v.config_map.name for v in pod.spec.volumes if v.config_map is not None)
+        cm = self.core.read_namespaced_config_map(cm_name, self.namespace)
+        cfg = json.loads((cm.data or {})[CONFIG_KEY])
+        cfg_path = self.workdir / f"{pod.metadata.name}.json"
+        cfg_path.write_text(json.dumps(cfg))
+        port = _free_port()
+        track = labels.get(LABEL_TRACK, "stable")
+        log = (self.workdir / f"{pod.metadata.name}.log").open("wb")
+        env = {**os.environ, "BATCHPILOT_TRACK": track, "PYTHONUNBUFFERED": "1"}
+        proc = subprocess.Popen(
+            [
+                sys.executable,
+                "-m",
+                "batchpilot_runtime.server",
+                "--config",
+                str(cfg_path),
+                "--host",
+                "127.0.0.1",
+                "--port",
+                str(port),
+                "--track",
+                track,
+            ],
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            env=env,
+            start_new_session=True,
+        )
+        self.procs[pod.metadata.name] = RuntimeProcess(
+            pod=pod.metadata.name,
+            policy=labels.get(LABEL_POLICY, ""),
+            revision=labels.get(LABEL_REVISION, cfg.get("revision", "")),
+            track=track,
+            port=port,
+            proc=proc,
+        )
+
+    def _terminate(self, name: str) -> None:
+        proc = self.procs.pop(name)
+        if proc.proc.poll() is None:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(proc.proc.pid, signal.SIGTERM)
+            try:
+                proc.proc.wait(timeout=20)
+            except subprocess.TimeoutExpired:
+                with contextlib.suppress(ProcessLookupError):
+                    os.killpg(proc.proc.pid, signal.SIGKILL)
+                proc.proc.wait()
+
+    @staticmethod
+    def _probe(proc: RuntimeProcess) -> bool:
+        try:
+            with urllib.request.urlopen(f"{proc.url}/v2/health/ready", timeout=1) as resp:
+                return bool(resp.status == 200)
+        except OSError:
+            return False
+
+    def _write_targets(self) -> None:
+        groups = [
+            {
+                "targets": [f"127.0.0.1:{p.port}"],
+                "labels": {
+                    "namespace": self.namespace,
+                    "policy": p.policy,
+                    "revision": p.revision,
+                    "track": p.track,
+                    "pod": p.pod,
+                },
+            }
+            for p in self.procs.values()
+            if p.ready
+        ]
+        tmp = self.targets_file.with_suffix(".tmp")
+        tmp.write_text(json.dumps(groups))
+        tmp.replace(self.targets_file)  # atomic: Prometheus never reads half a file
+
+    # ---- for load generators ---------------------------------------------------------------
+    def endpoints(self, policy: str) -> list[RuntimeProcess]:
+        """Ready runtime processes of ``policy``: what its Service would route to."""
+        with self._lock:
+            return [p for p in self.procs.values() if p.policy == policy and p.ready]
+
+    def wait_ready(self, policy: str, count: int, timeout: float = 120.0) -> None:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if len(self.endpoints(policy)) >= count:
+                return
+            time.sleep(0.2)
+        raise TimeoutError(f"{count} ready runtime processes of {policy} not up after {timeout}s: {self.errors}")

@@ -1,0 +1,122 @@
+"""Open-loop replay of an arrival trace against a policy's local runtime processes.
+
+Requests are sent on the trace's schedule (time-scaled to a mean rate) whether or not earlier
+ones were answered, so queueing shows up as latency instead of slowing the sender. Each
+request goes to a uniformly chosen ready process of the policy, as a Service would route it.
+The trace repeats until the replay is stopped. Latencies are measured from the scheduled send
+time and kept per (revision, track) for progress lines; the SLO verdicts come from Prometheus.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import random
+import threading
+import time
+from collections import defaultdict, deque
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+
+import aiohttp
+
+from batchpilot_operator.localdev.harness import RuntimeProcess
+
+ROW = [round(random.Random(7).uniform(-1, 1), 4) for _ in range(512)]
+
+
+@dataclass
+class TrackStats:
+    sent: int = 0
+    ok: int = 0
+    errors: int = 0
+    latencies: deque[float] = field(default_factory=lambda: deque(maxlen=2000))
+
+    def p99(self) -> float | None:
+        if not self.latencies:
+            return None
+        ordered = sorted(self.latencies)
+        return ordered[min(len(ordered) - 1, int(0.99 * len(ordered)))]
+
+
+class TraceReplay:
+    def __init__(
+        self,
+        arrivals: Sequence[float],
+        endpoints: Callable[[], list[RuntimeProcess]],
+        model: str,
+        lane: str | None = None,
+        seed: int = 1,
+    ) -> None:
+        if not arrivals:
+            raise ValueError("empty arrival trace")
+        self.arrivals = list(arrivals)
+        self.endpoints = endpoints
+        self.model = model
+        self.lane = lane
+        self.rng = random.Random(seed)
+        self.stats: dict[tuple[str, str], TrackStats] = defaultdict(TrackStats)
+        self.dropped_no_endpoint = 0
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+
+    def start(self) -> TraceReplay:
+        self._thread = threading.Thread(target=lambda: asyncio.run(self._run()), name="trace-replay", daemon=True)
+        self._thread.start()
+        return self
+
+    def stop(self) -> None:
+        self._stop.set()
+        if self._thread:
+            self._thread.join(timeout=30)
+
+    async def _run(self) -> None:
+        body: dict[str, object] = {"inputs": [{"name": "input", "shape": [1, 512], "datatype": "FP32", "data": ROW}]}
+        headers = {"X-Batchpilot-Lane": self.lane} if self.lane else {}
+        period = self.arrivals[-1] + max(1e-3, self.arrivals[-1] / max(1, len(self.arrivals)))
+        conn = aiohttp.TCPConnector(limit=512)
+        timeout = aiohttp.ClientTimeout(total=30)
+        pending: set[asyncio.Task[None]] = set()
+        async with aiohttp.ClientSession(connector=conn, timeout=timeout) as session:
+            start = time.perf_counter()
+            loop_index = 0
+            while not self._stop.is_set():
+                for offset in self.arrivals:
+                    if self._stop.is_set():
+                        break
+                    scheduled = start + loop_index * period + offset
+                    delay = scheduled - time.perf_counter()
+                    if delay > 0:
+                        await asyncio.sleep(delay)
+                    targets = self.endpoints()
+                    if not targets:
+                        self.dropped_no_endpoint += 1
+                        continue
+                    target = self.rng.choice(targets)
+                    task = asyncio.create_task(self._send(session, target, body, headers, scheduled))
+                    pending.add(task)
+                    task.add_done_callback(pending.discard)
+                loop_index += 1
+            if pending:
+                await asyncio.wait(pending, timeout=10)
+
+    async def _send(
+        self,
+        session: aiohttp.ClientSession,
+        target: RuntimeProcess,
+        body: Mapping[str, object],
+        headers: dict[str, str],
+        scheduled: float,
+    ) -> None:
+        stats = self.stats[(target.revision, target.track)]
+        stats.sent += 1
+        try:
+            async with session.post(f"{target.url}/v2/models/{self.model}/infer", json=body, headers=headers) as r:
+                await r.read()
+                ok = r.status == 200
+        except (aiohttp.ClientError, TimeoutError):
+            ok = False
+        if ok:
+            stats.ok += 1
+            stats.latencies.append(time.perf_counter() - scheduled)
+        else:
+            stats.errors += 1

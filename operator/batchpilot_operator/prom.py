@@ -1,0 +1,100 @@
+"""The real metrics backend: instant queries against Prometheus via prometheus-api-client.
+
+Impure (network). It implements :class:`batchpilot_operator.analysis.MetricsBackend`
+(re-exported here with :class:`Measurement`): ``measure(queries)`` never raises for store
+faults. A refused connection, a timeout, an HTTP error status or a malformed answer becomes
+a :class:`Measurement` with ``error`` set, which the analysis turns into the ``Error``
+outcome and the planner into ``onMetricsUnavailable``.
+
+Retries: prometheus-api-client's default adapter retries 3 times with back-off, which would
+stall a reconcile for seconds while Prometheus is down. The planner already retries on the
+next analysis interval, so the backend makes one attempt per query, bounded by ``timeout``,
+and after the first connection-level failure in a batch it stops and marks the rest of the
+batch with the same error (one unreachable server costs one timeout, not one per query).
+
+All queries of one ``measure`` call are evaluated at the same instant (the ``time``
+parameter of the query API), so a p99 and its sample count, and the canary and the stable
+track, cover exactly the same window.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from collections.abc import Mapping, Sequence
+from typing import Any, cast
+
+import requests
+from prometheus_api_client.exceptions import PrometheusApiClientException
+from prometheus_api_client.prometheus_connect import PrometheusConnect
+from urllib3.util.retry import Retry
+
+from batchpilot_operator.analysis import Measurement, MetricsBackend
+
+__all__ = ["Measurement", "MetricsBackend", "PrometheusBackend", "scalar_from_result"]
+
+
+def scalar_from_result(result: Any) -> float | None:
+    """The scalar of an instant-query result: one sample -> its value; none/NaN -> None.
+
+    Accepts the ``data.result`` of a vector (``[{"metric": {}, "value": [ts, "1.5"]}]``) or a
+    scalar (``[ts, "1.5"]``). More than one series is a malformed answer for our aggregated
+    queries and raises ``ValueError``.
+    """
+    if isinstance(result, list) and len(result) == 2 and not isinstance(result[0], dict):
+        raw: Any = result[1]
+    elif isinstance(result, list):
+        if not result:
+            return None
+        if len(result) > 1:
+            raise ValueError(f"expected at most one series, got {len(result)}")
+        item = result[0]
+        if not isinstance(item, dict) or "value" not in item:
+            raise ValueError(f"unexpected result item {item!r}")
+        raw = item["value"][1]
+    else:
+        raise ValueError(f"unexpected result {result!r}")
+    value = float(raw)
+    if math.isnan(value):
+        return None
+    return value
+
+
+class PrometheusBackend:
+    """``MetricsBackend`` over a Prometheus HTTP API at ``url``."""
+
+    def __init__(self, url: str, timeout: float = 5.0) -> None:
+        self.url = url.rstrip("/")
+        self.timeout = timeout
+        self._client = PrometheusConnect(url=self.url, retry=Retry(total=0, raise_on_status=False))
+
+    def close(self) -> None:
+        self._client.close()
+
+    def measure(self, queries: Sequence[str], at: float | None = None) -> Mapping[str, Measurement]:
+        """Evaluate every query at one instant (``at``, Unix seconds; default: now)."""
+        params = {"time": f"{time.time() if at is None else at:.3f}"}
+        out: dict[str, Measurement] = {}
+        unreachable: str | None = None
+        for query in queries:
+            if query in out:
+                continue
+            if unreachable is not None:
+                out[query] = Measurement(query=query, error=unreachable)
+                continue
+            try:
+                # requests takes float seconds; the client's annotation says int.
+                result = self._client.custom_query(query, params=params, timeout=cast(int, self.timeout))
+                out[query] = Measurement(query=query, value=scalar_from_result(result))
+            except (requests.ConnectionError, requests.Timeout) as exc:
+                unreachable = f"prometheus unreachable at {self.url}: {type(exc).__name__}"
+                out[query] = Measurement(query=query, error=unreachable)
+            except PrometheusApiClientException as exc:
+                out[query] = Measurement(query=query, error=f"prometheus error: {_short(str(exc))}")
+            except (requests.RequestException, ValueError, KeyError, TypeError, IndexError) as exc:
+                out[query] = Measurement(query=query, error=f"bad response: {_short(repr(exc))}")
+        return out
+
+
+def _short(text: str, limit: int = 200) -> str:
+    return text if len(text) <= limit else text[: limit - 3] + "..."

@@ -1,0 +1,250 @@
+"""The BatchingPolicy ``.status`` as pydantic models (camelCase on the wire).
+
+Pure: imports no kopf and no Kubernetes client. The planner reads a :class:`Status` and
+returns a new one; the handler writes it back with :meth:`Status.to_patch`.
+
+Everything that decides a promotion or a rollback lives here (step index, when the step's
+clock started, failure count, Inconclusive streak, when metrics went missing, when the last
+analysis ran, which manual commands were already handled), so an operator restart resumes a
+rollout exactly where it was: ``plan()`` is a function of (spec, status, observed, analysis,
+commands, now).
+
+Wire shape (all keys camelCase; optional keys are omitted when empty)::
+
+    observedGeneration: int
+    phase: Pending | Progressing | Paused | Healthy | RolledBack | Degraded
+    message: str
+    desiredRevision / stableRevision / canaryRevision: str
+    currentStepIndex: int (0-based) ; stepCount: int
+    stepWeight: int (requested %) ; canaryWeight: int (effective %, canary/(stable+canary))
+    stableReplicas / canaryReplicas: int (desired)
+    paused: bool
+    rollout: {revision, stepIndex, stepWeight, startedAt, stepEnteredAt, stepStartedAt,
+              failures, inconclusiveStreak, metricsErrorSince, lastAnalysisAt, passedLanes,
+              pausedAt}
+    failedRevisions: [{revision, time, reason, evidence}]
+    handledCommands: {promote|abort|retry|pause: <last handled annotation value>}
+    conditions: [{type: Ready|Reconciling|Stalled, status, reason, message,
+                  lastTransitionTime, observedGeneration}]
+    lastAnalysis: {time, revision, outcome, window, lanes: [{lane, outcome, p99Latency,
+                   p99LatencySlo, queueAge, maxQueueAge, samples, queueSamples,
+                   stableP99Latency, stableQueueAge, stableSamples}]}
+    ledger: [{time, kind, revision, ...}]   (bounded, newest last)
+    history: [{revision, outcome, time, reason, evidence}] (bounded, newest last)
+
+Datetimes are RFC 3339 strings in UTC (``2026-11-30T01:45:00Z``).
+"""
+
+from __future__ import annotations
+
+from datetime import datetime
+from enum import StrEnum
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+LEDGER_LIMIT = 50
+"""Ledger entries kept in status (newest last). One analysis of a two-lane policy adds 4."""
+HISTORY_LIMIT = 20
+"""Revision outcomes kept in status.history."""
+FAILED_REVISIONS_LIMIT = 20
+"""Failed revisions remembered so they are not canaried again (oldest forgotten first)."""
+
+
+class Phase(StrEnum):
+    PENDING = "Pending"
+    """Nothing is stable yet: the first revision rolls out directly as stable."""
+    PROGRESSING = "Progressing"
+    """A canary is running (or a promotion is finishing)."""
+    PAUSED = "Paused"
+    """A canary is running and held by the pause command (Argo CD: Suspended)."""
+    HEALTHY = "Healthy"
+    """The desired revision is stable, no canary."""
+    ROLLED_BACK = "RolledBack"
+    """The desired revision failed (or was aborted); stable serves; not retried until spec or retry."""
+    DEGRADED = "Degraded"
+    """The stable track has no ready pod."""
+
+
+class _Model(BaseModel):
+    # extra="ignore": kopf and others may keep their own keys in .status (e.g. status.kopf).
+    model_config = ConfigDict(populate_by_name=True, extra="ignore")
+
+
+ConditionType = Literal["Ready", "Reconciling", "Stalled"]
+ConditionStatus = Literal["True", "False", "Unknown"]
+
+
+class Condition(_Model):
+    type: ConditionType
+    status: ConditionStatus
+    reason: str
+    message: str = ""
+    last_transition_time: datetime = Field(alias="lastTransitionTime")
+    observed_generation: int = Field(default=0, alias="observedGeneration")
+
+
+LedgerKind = Literal[
+    "Analysis",
+    "CanaryStarted",
+    "StepAdvanced",
+    "Promoted",
+    "RolledBack",
+    "Aborted",
+    "Superseded",
+    "Stalled",
+    "MetricsRestored",
+    "Paused",
+    "Resumed",
+    "Command",
+    "Adopted",
+    "Initial",
+]
+
+
+class LedgerEntry(_Model):
+    """One decision or one measurement. Analysis entries carry the measurement fields."""
+
+    time: datetime
+    kind: LedgerKind
+    revision: str
+    reason: str | None = None
+    evidence: str | None = None
+    # Analysis entries (one per lane and metric, canary track; stable values for comparison):
+    track: str | None = None
+    lane: str | None = None
+    metric: str | None = None
+    query: str | None = None
+    value: float | None = None
+    samples: float | None = None
+    threshold: float | None = None
+    outcome: str | None = None
+    stable_value: float | None = Field(default=None, alias="stableValue")
+    stable_samples: float | None = Field(default=None, alias="stableSamples")
+
+
+HistoryOutcome = Literal["Promoted", "RolledBack", "Superseded", "Aborted"]
+
+
+class HistoryEntry(_Model):
+    revision: str
+    outcome: HistoryOutcome
+    time: datetime
+    reason: str = ""
+    evidence: str = ""
+
+
+class FailedRevision(_Model):
+    revision: str
+    time: datetime
+    reason: str
+    evidence: str = ""
+
+
+class RolloutState(_Model):
+    """The canary in flight. Every counter and timestamp that decides is here."""
+
+    revision: str
+    step_index: int = Field(default=0, alias="stepIndex")
+    step_weight: int = Field(default=0, alias="stepWeight")
+    started_at: datetime = Field(alias="startedAt")
+    step_entered_at: datetime = Field(alias="stepEnteredAt")
+    step_started_at: datetime | None = Field(
+        default=None, alias="stepStartedAt", description="the step clock starts when the canary is ready"
+    )
+    failures: int = 0
+    inconclusive_streak: int = Field(default=0, alias="inconclusiveStreak")
+    metrics_error_since: datetime | None = Field(default=None, alias="metricsErrorSince")
+    last_analysis_at: datetime | None = Field(default=None, alias="lastAnalysisAt")
+    passed_lanes: list[str] = Field(default_factory=list, alias="passedLanes")
+    paused_at: datetime | None = Field(default=None, alias="pausedAt")
+
+
+class LaneSummary(_Model):
+    lane: str
+    outcome: str
+    p99_latency: float | None = Field(default=None, alias="p99Latency")
+    p99_latency_slo: float = Field(alias="p99LatencySlo")
+    queue_age: float | None = Field(default=None, alias="queueAge")
+    max_queue_age: float = Field(alias="maxQueueAge")
+    samples: float | None = None
+    queue_samples: float | None = Field(default=None, alias="queueSamples")
+    stable_p99_latency: float | None = Field(default=None, alias="stableP99Latency")
+    stable_queue_age: float | None = Field(default=None, alias="stableQueueAge")
+    stable_samples: float | None = Field(default=None, alias="stableSamples")
+
+
+class AnalysisSummary(_Model):
+    time: datetime
+    revision: str
+    outcome: str
+    window: str
+    lanes: list[LaneSummary] = Field(default_factory=list)
+
+
+class Status(_Model):
+    observed_generation: int | None = Field(default=None, alias="observedGeneration")
+    phase: Phase | None = None
+    message: str = ""
+    desired_revision: str | None = Field(default=None, alias="desiredRevision")
+    stable_revision: str | None = Field(default=None, alias="stableRevision")
+    canary_revision: str | None = Field(default=None, alias="canaryRevision")
+    current_step_index: int | None = Field(default=None, alias="currentStepIndex")
+    step_count: int | None = Field(default=None, alias="stepCount")
+    step_weight: int | None = Field(default=None, alias="stepWeight")
+    canary_weight: int = Field(default=0, alias="canaryWeight")
+    stable_replicas: int | None = Field(default=None, alias="stableReplicas")
+    canary_replicas: int = Field(default=0, alias="canaryReplicas")
+    paused: bool = False
+    rollout: RolloutState | None = None
+    failed_revisions: list[FailedRevision] = Field(default_factory=list, alias="failedRevisions")
+    handled_commands: dict[str, str] = Field(default_factory=dict, alias="handledCommands")
+    conditions: list[Condition] = Field(default_factory=list)
+    last_analysis: AnalysisSummary | None = Field(default=None, alias="lastAnalysis")
+    ledger: list[LedgerEntry] = Field(default_factory=list)
+    history: list[HistoryEntry] = Field(default_factory=list)
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any] | None) -> Status:
+        """Parse ``.status`` as the API holds it (``None`` or ``{}`` for a new policy)."""
+        return cls.model_validate(data or {})
+
+    def to_dict(self) -> dict[str, Any]:
+        """The status as JSON-ready dict, empty optional keys omitted (for display, fixtures)."""
+        return self.model_dump(mode="json", by_alias=True, exclude_none=True)
+
+    def to_patch(self) -> dict[str, Any]:
+        """A JSON merge patch that turns any previous status into this one.
+
+        Like :meth:`to_dict`, but cleared optional fields are ``None`` so the merge patch
+        deletes them (a merge patch merges nested objects key by key, so an omitted key would
+        keep a stale value, e.g. ``rollout.metricsErrorSince``). Lists are replaced whole by a
+        merge patch, so ``None`` is stripped inside list items.
+        """
+        patch: dict[str, Any] = _nulls_outside_lists(self.model_dump(mode="json", by_alias=True, exclude_none=False))
+        return patch
+
+    def condition(self, type_: ConditionType) -> Condition | None:
+        for cond in self.conditions:
+            if cond.type == type_:
+                return cond
+        return None
+
+    def is_failed(self, revision: str) -> bool:
+        return any(f.revision == revision for f in self.failed_revisions)
+
+
+def _strip_none(value: Any) -> Any:
+    if isinstance(value, dict):
+        return {k: _strip_none(v) for k, v in value.items() if v is not None}
+    if isinstance(value, list):
+        return [_strip_none(v) for v in value]
+    return value
+
+
+def _nulls_outside_lists(value: Any) -> Any:
+    if isinstance(value, dict):
+        return {k: _nulls_outside_lists(v) for k, v in value.items()}
+    if isinstance(value, list):
+        return [_strip_none(v) for v in value]
+    return value

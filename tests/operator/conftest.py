@@ -1,0 +1,52 @@
+"""Shared fixtures of the operator tests.
+
+Prometheus: ``prometheus_factory`` (function scope; call it with a list of
+``bp_prometheus.ScrapeTarget`` or ``(address, labels)`` pairs and keyword arguments of
+``start_prometheus``; everything it started is stopped at teardown) and ``prometheus`` (one
+server with no targets yet: add them with ``set_targets``). Tests using them are marked
+``@pytest.mark.prometheus``; they are skipped when the binary is missing.
+The implementation lives in ``bp_prometheus.py`` next to this file, importable from tests.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from collections.abc import Callable, Iterator, Sequence
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from bp_prometheus import PROMETHEUS_BIN, PrometheusServer, ScrapeTarget, start_prometheus
+
+
+def _require_prometheus() -> None:
+    if not os.access(PROMETHEUS_BIN, os.X_OK):
+        pytest.skip(f"prometheus binary not found ({PROMETHEUS_BIN}); apt-get install prometheus")
+
+
+def _target(t: ScrapeTarget | tuple[str, dict[str, str]]) -> ScrapeTarget:
+    return t if isinstance(t, ScrapeTarget) else ScrapeTarget(t[0], dict(t[1]))
+
+
+@pytest.fixture
+def prometheus_factory(tmp_path: Path) -> Iterator[Callable[..., PrometheusServer]]:
+    _require_prometheus()
+    started: list[PrometheusServer] = []
+
+    def factory(targets: Sequence[ScrapeTarget | tuple[str, dict[str, str]]] = (), **kwargs: Any) -> PrometheusServer:
+        server = start_prometheus(tmp_path / f"p{len(started)}", [_target(t) for t in targets], **kwargs)
+        started.append(server)
+        return server
+
+    yield factory
+    for server in started:
+        server.stop()
+
+
+@pytest.fixture
+def prometheus(prometheus_factory: Callable[..., PrometheusServer]) -> PrometheusServer:
+    return prometheus_factory()

@@ -1,0 +1,1084 @@
+"""Table-driven tests of the pure rollout planner. Time is injected; nothing sleeps.
+
+A tiny simulated world (``converge``) makes the observed Deployments match what the
+previous decision asked for, so scenarios run through whole rollouts; analyses are built by
+the real verdict code (``analysis.verdicts``) from fake measurements.
+"""
+
+from __future__ import annotations
+
+import copy
+from datetime import UTC, datetime, timedelta
+from typing import Any
+
+import pytest
+
+from batchpilot_operator.analysis import AnalysisResult, Measurement, plan_queries, promql_window, verdicts
+from batchpilot_operator.planner import (
+    CANARY_READY_DEADLINE,
+    POLL_SECONDS,
+    Commands,
+    Decision,
+    Observed,
+    PlanInputs,
+    TrackObserved,
+    analysis_due,
+    analysis_target,
+    plan,
+    split_replicas,
+)
+from batchpilot_operator.spec import PolicySpec
+from batchpilot_operator.status import LEDGER_LIMIT, Phase, Status
+
+T0 = datetime(2026, 11, 30, 1, 0, 0, tzinfo=UTC)
+POLICY, NS = "chat", "ml"
+
+
+def make_spec(*, batch: int = 8, replicas: int = 4, lanes: int = 1, **rollout: Any) -> PolicySpec:
+    lane_list = [
+        {
+            "name": "interactive",
+            "maxBatchSize": batch,
+            "maxQueueDelay": "5ms",
+            "maxQueueLength": 100,
+            "requestTimeout": "1s",
+        },
+        {
+            "name": "background",
+            "maxBatchSize": 64,
+            "maxQueueDelay": "50ms",
+            "maxQueueLength": 1000,
+            "requestTimeout": "10s",
+            "slo": {"p99Latency": "2s", "maxQueueAge": "500ms"},
+        },
+    ][:lanes]
+    ro: dict[str, Any] = {
+        "steps": [{"weight": 25, "pause": "60s"}, {"weight": 50, "pause": "60s"}],
+        "analysisInterval": "30s",
+        "failureLimit": 2,
+        "minSamples": 50,
+        "maxInconclusive": 3,
+    }
+    ro.update(rollout)
+    return PolicySpec.model_validate(
+        {
+            "model": {"name": "m", "image": "img:1", "source": "builtin:mlp"},
+            "replicas": replicas,
+            "lanes": lane_list,
+            "slo": {"p99Latency": "200ms", "maxQueueAge": "50ms"},
+            "rollout": ro,
+        }
+    )
+
+
+def at(seconds: float) -> datetime:
+    return T0 + timedelta(seconds=seconds)
+
+
+def measured(
+    spec: PolicySpec,
+    status: Status,
+    now: datetime,
+    *,
+    p99: float = 0.1,
+    queue_age: float = 0.01,
+    samples: float = 500,
+    error: bool = False,
+    per_lane: dict[str, dict[str, Any]] | None = None,
+) -> AnalysisResult:
+    """An analysis of the status's canary, judged by the real verdict code."""
+    target = analysis_target(status)
+    assert target is not None, "no canary to analyse"
+    canary, stable = target
+    lqs = plan_queries(spec, policy=POLICY, namespace=NS, canary_revision=canary, stable_revision=stable)
+    ms: dict[str, Measurement] = {}
+    for lq in lqs:
+        o = (per_lane or {}).get(lq.lane, {})
+        lane_p99 = o.get("p99", p99)
+        lane_qa = o.get("queue_age", queue_age)
+        lane_samples = o.get("samples", samples)
+        lane_error = o.get("error", error)
+        if lq.track == "stable":
+            lane_p99, lane_qa, lane_error = 0.05, 0.005, False
+        for m in lq.metrics:
+            value = lane_p99 if m.metric == "p99Latency" else lane_qa
+            if lane_error:
+                ms[m.value] = Measurement(m.value, error="prometheus unreachable")
+                ms[m.samples] = Measurement(m.samples, error="prometheus unreachable")
+            else:
+                ms[m.value] = Measurement(m.value, value=value)
+                ms[m.samples] = Measurement(m.samples, value=lane_samples)
+    return AnalysisResult(
+        time=now,
+        window=promql_window(spec.rollout.analysis_interval),
+        canary_revision=canary,
+        stable_revision=stable,
+        lanes=verdicts(spec, lqs, ms),
+    )
+
+
+def converge(d: Decision) -> Observed:
+    """The world after the handler applied a decision and every pod became ready."""
+    stable = TrackObserved(d.stable_revision, d.stable_replicas, d.stable_replicas)
+    canary = (
+        TrackObserved(d.canary_revision, d.canary_replicas, d.canary_replicas)
+        if d.canary_revision is not None
+        else None
+    )
+    return Observed(stable=stable, canary=canary)
+
+
+class Sim:
+    """Drives plan() like the handler does: analyse when due, apply, converge."""
+
+    def __init__(self, spec: PolicySpec, *, roundtrip: bool = False) -> None:
+        self.spec = spec
+        self.status = Status()
+        self.observed = Observed()
+        self.generation = 1
+        self.commands = Commands()
+        self.roundtrip = roundtrip
+        self.decisions: list[Decision] = []
+
+    def tick(self, now: datetime, *, converge_after: bool = True, **analysis: Any) -> Decision:
+        result = None
+        if analysis_due(self.spec, self.status, now):
+            result = measured(self.spec, self.status, now, **analysis)
+        return self.plan(now, result, converge_after=converge_after)
+
+    def plan(self, now: datetime, result: AnalysisResult | None = None, *, converge_after: bool = True) -> Decision:
+        d = plan(
+            PlanInputs(
+                spec=self.spec,
+                generation=self.generation,
+                status=self.status,
+                observed=self.observed,
+                now=now,
+                analysis=result,
+                commands=self.commands,
+            )
+        )
+        self.decisions.append(d)
+        self.status = Status.from_dict(d.status.to_dict()) if self.roundtrip else d.status
+        if converge_after:
+            self.observed = converge(d)
+        return d
+
+    def set_spec(self, spec: PolicySpec) -> None:
+        self.spec = spec
+        self.generation += 1
+
+
+def healthy(spec: PolicySpec, **kw: Any) -> Sim:
+    sim = Sim(spec, **kw)
+    sim.tick(at(0))
+    d = sim.tick(at(1))
+    assert d.status.phase is Phase.HEALTHY
+    return sim
+
+
+def start_canary(sim: Sim, now: datetime, new_spec: PolicySpec) -> Decision:
+    sim.set_spec(new_spec)
+    sim.tick(now)  # canary created, pods not ready yet
+    return sim.tick(now)  # pods ready: step clock starts
+
+
+def reasons(d: Decision) -> list[str]:
+    return [e.reason for e in d.events]
+
+
+def cond(status: Status, type_: str) -> tuple[str, str]:
+    c = status.condition(type_)  # type: ignore[arg-type]
+    assert c is not None
+    return c.status, c.reason
+
+
+# --------------------------------------------------------------------------- replicas
+
+
+@pytest.mark.parametrize(
+    ("total", "weight", "stable", "canary", "effective"),
+    [
+        (1, 25, 1, 1, 50),  # one replica: temporarily one of each
+        (1, 100, 0, 1, 100),
+        (2, 10, 1, 1, 50),
+        (2, 50, 1, 1, 50),
+        (4, 25, 3, 1, 25),
+        (4, 50, 2, 2, 50),
+        (4, 99, 1, 4, 80),  # stable keeps one pod until 100
+        (10, 25, 7, 3, 30),  # 2.5 rounds half up
+        (10, 10, 9, 1, 10),
+        (10, 1, 9, 1, 10),  # at least one canary pod
+        (100, 1, 99, 1, 1),
+        (3, 100, 0, 3, 100),
+        (5, 0, 5, 0, 0),
+    ],
+)
+def test_split_replicas(total: int, weight: int, stable: int, canary: int, effective: int) -> None:
+    s = split_replicas(total, weight)
+    assert (s.stable, s.canary, s.effective_weight) == (stable, canary, effective)
+
+
+@pytest.mark.parametrize(("total", "weight"), [(0, 10), (3, -1), (3, 101)])
+def test_split_replicas_rejects(total: int, weight: int) -> None:
+    with pytest.raises(ValueError):
+        split_replicas(total, weight)
+
+
+# --------------------------------------------------------------------------- first revision
+
+
+def test_first_revision_rolls_out_directly_as_stable() -> None:
+    spec = make_spec()
+    sim = Sim(spec)
+    d = sim.tick(at(0), converge_after=False)
+    assert d.status.phase is Phase.PENDING
+    assert (d.stable_revision, d.stable_replicas, d.canary_revision, d.canary_replicas) == (
+        spec.revision(),
+        4,
+        None,
+        0,
+    )
+    assert d.requeue_after == POLL_SECONDS
+    assert cond(d.status, "Reconciling") == ("True", "Pending")
+    assert cond(d.status, "Ready")[0] == "False"
+    # partly ready: still pending
+    sim.observed = Observed(stable=TrackObserved(spec.revision(), 4, 2))
+    assert sim.plan(at(1), converge_after=False).status.phase is Phase.PENDING
+    sim.observed = Observed(stable=TrackObserved(spec.revision(), 4, 4))
+    d = sim.plan(at(2))
+    assert d.status.phase is Phase.HEALTHY
+    assert d.status.stable_revision == spec.revision()
+    assert "Initialized" in reasons(d)
+    assert [h.outcome for h in d.status.history] == ["Promoted"]
+    assert cond(d.status, "Ready") == ("True", "Healthy")
+    assert cond(d.status, "Stalled")[0] == "False"
+    assert d.status.observed_generation == 1
+    assert all(c.observed_generation == 1 for c in d.status.conditions)
+    assert d.requeue_after is None
+    # steady: nothing new happens
+    d2 = sim.tick(at(100))
+    assert d2.events == () and d2.status.history == d.status.history
+
+
+def test_first_revision_replaced_before_ready_rolls_the_new_one_directly() -> None:
+    sim = Sim(make_spec())
+    sim.tick(at(0), converge_after=False)
+    sim.observed = Observed(stable=TrackObserved(make_spec().revision(), 4, 1))
+    sim.set_spec(make_spec(batch=16))
+    d = sim.plan(at(5), converge_after=False)
+    assert d.status.phase is Phase.PENDING and d.stable_revision == make_spec(batch=16).revision()
+    assert d.canary_revision is None
+
+
+def test_empty_status_adopts_running_stable_and_canaries_desired() -> None:
+    old, new = make_spec(), make_spec(batch=16)
+    sim = Sim(new)
+    sim.observed = Observed(stable=TrackObserved(old.revision(), 4, 4))
+    d = sim.plan(at(0), converge_after=False)
+    assert d.status.stable_revision == old.revision()
+    assert d.canary_revision == new.revision()
+    assert "Adopted" in reasons(d) and "CanaryStarted" in reasons(d)
+    assert d.status.phase is Phase.PROGRESSING
+
+
+# --------------------------------------------------------------------------- canary progression
+
+
+def test_new_revision_starts_canary_at_step_0_waiting_for_pods() -> None:
+    sim = healthy(make_spec())
+    old = sim.status.stable_revision
+    new = make_spec(batch=16)
+    sim.set_spec(new)
+    d = sim.tick(at(10), converge_after=False)
+    assert d.status.phase is Phase.PROGRESSING
+    assert (d.stable_revision, d.stable_replicas) == (old, 3)
+    assert (d.canary_revision, d.canary_replicas) == (new.revision(), 1)
+    assert d.status.current_step_index == 0 and d.status.step_count == 2
+    assert (d.status.step_weight, d.status.canary_weight) == (25, 25)
+    assert d.status.rollout is not None and d.status.rollout.step_started_at is None
+    assert "waiting for canary pods (0/1 ready)" in d.status.message
+    assert d.requeue_after == POLL_SECONDS
+    assert not analysis_due(new, d.status, at(1000))
+    assert set(d.keep_revisions) == {old, new.revision()}
+    # pods ready: the step clock starts now, first analysis one interval later
+    sim.observed = converge(d)
+    d = sim.plan(at(20))
+    assert d.status.rollout is not None and d.status.rollout.step_started_at == at(20)
+    assert not analysis_due(new, d.status, at(49))
+    assert analysis_due(new, d.status, at(50))
+    assert d.requeue_after == 30
+
+
+def test_full_rollout_promotes_through_all_steps() -> None:
+    sim = healthy(make_spec())
+    old = sim.status.stable_revision
+    new = make_spec(batch=16)
+    start_canary(sim, at(0), new)  # step clock starts at 0
+    d = sim.tick(at(30))
+    assert d.analysis_outcomes == ("Successful",)
+    assert d.status.rollout is not None and d.status.rollout.passed_lanes == ["interactive"]
+    assert d.status.current_step_index == 0  # the pause (60s) is not over
+    assert "step pause ends at 2026-11-30T01:01:00Z" in d.status.message
+    d = sim.tick(at(60))
+    assert "StepAdvanced" in reasons(d)
+    assert d.status.current_step_index == 1
+    assert (d.stable_replicas, d.canary_replicas, d.status.canary_weight) == (2, 2, 50)
+    assert d.status.rollout is not None and d.status.rollout.step_started_at is None
+    d = sim.tick(at(61))  # pods of step 2 ready
+    assert d.status.rollout is not None and d.status.rollout.step_started_at == at(61)
+    sim.tick(at(91))
+    d = sim.tick(at(121))
+    assert "Promoted" in reasons(d)
+    assert d.rollout_outcomes == ("Promoted",)
+    assert d.status.stable_revision == new.revision()
+    assert d.stable_revision == new.revision() and d.stable_replicas == 4
+    assert d.status.rollout is None
+    assert d.status.history[-1].outcome == "Promoted"
+    promoted = [e for e in d.status.ledger if e.kind == "Promoted"]
+    assert len(promoted) == 1 and "p99" in (promoted[0].evidence or "")
+    assert old in d.keep_revisions
+    d = sim.tick(at(122))
+    assert d.status.phase is Phase.HEALTHY and d.canary_revision is None
+    assert cond(d.status, "Ready") == ("True", "Healthy")
+
+
+def test_promotion_keeps_canary_until_stable_is_ready() -> None:
+    sim = healthy(make_spec(), roundtrip=True)
+    new = make_spec(batch=16)
+    start_canary(sim, at(0), new)
+    sim.commands = Commands(promote="bob@t1")
+    d = sim.tick(at(5), converge_after=False)
+    assert d.status.stable_revision == new.revision()
+    # the world: stable Deployment still rolling (new revision, 1 of 4 ready); canary has 1 pod
+    sim.observed = Observed(stable=TrackObserved(new.revision(), 4, 1), canary=TrackObserved(new.revision(), 1, 1))
+    d = sim.plan(at(6), converge_after=False)
+    assert d.status.phase is Phase.PROGRESSING
+    assert (d.canary_revision, d.canary_replicas) == (new.revision(), 1)
+    assert d.requeue_after == POLL_SECONDS
+    sim.observed = Observed(stable=TrackObserved(new.revision(), 4, 4), canary=TrackObserved(new.revision(), 1, 1))
+    d = sim.plan(at(7))
+    assert d.status.phase is Phase.HEALTHY and d.canary_revision is None and d.canary_replicas == 0
+    assert d.rollout_outcomes == ()  # promoted once, not again
+
+
+def test_two_lanes_step_needs_a_successful_analysis_of_every_lane() -> None:
+    sim = healthy(make_spec(lanes=2))
+    new = make_spec(lanes=2, batch=16)
+    start_canary(sim, at(0), new)
+    thin = {"background": {"samples": 3}}
+    d = sim.tick(at(30), per_lane=thin)
+    assert d.analysis_outcomes == ("Inconclusive",)
+    d = sim.tick(at(60), per_lane=thin)
+    assert d.status.current_step_index == 0  # background never passed: the step extends
+    assert d.status.rollout is not None and d.status.rollout.passed_lanes == ["interactive"]
+    assert "awaiting a Successful analysis of lane(s) background" in d.status.message
+    d = sim.tick(at(90))
+    assert d.status.current_step_index == 1
+
+
+def test_successful_analysis_needed_even_when_pause_is_over() -> None:
+    sim = healthy(make_spec())
+    start_canary(sim, at(0), make_spec(batch=16))
+    d = sim.tick(at(30), samples=10)
+    d = sim.tick(at(60), samples=10)
+    assert d.status.current_step_index == 0 and d.analysis_outcomes == ("Inconclusive",)
+    d = sim.tick(at(75))  # not due: no analysis, no advance
+    assert d.analysis_outcomes == () and d.status.current_step_index == 0
+    d = sim.tick(at(90))
+    assert d.status.current_step_index == 1
+
+
+# --------------------------------------------------------------------------- inconclusive
+
+
+def test_inconclusive_streak_stalls_but_never_rolls_back() -> None:
+    sim = healthy(make_spec(maxInconclusive=3))
+    start_canary(sim, at(0), make_spec(batch=16, maxInconclusive=3))
+    stalled_events = 0
+    for i in range(1, 11):
+        d = sim.tick(at(30 * i), samples=0)
+        stalled_events += reasons(d).count("Stalled")
+        assert d.analysis_outcomes == ("Inconclusive",)
+        if i < 3:
+            assert cond(d.status, "Stalled")[0] == "False"
+    assert d.status.phase is Phase.PROGRESSING
+    assert cond(d.status, "Stalled") == ("True", "InconclusiveLimit")
+    assert stalled_events == 1  # the transition, not every analysis
+    assert d.status.rollout is not None and d.status.rollout.inconclusive_streak == 10
+    assert d.status.failed_revisions == [] and d.canary_revision == make_spec(batch=16).revision()
+    assert next(e for e in d.status.ledger if e.kind == "Stalled").reason == "InconclusiveLimit"
+    d = sim.tick(at(330))
+    assert cond(d.status, "Stalled")[0] == "False"
+    assert d.status.current_step_index == 1
+
+
+def test_nan_or_no_data_is_inconclusive_not_failed() -> None:
+    sim = healthy(make_spec())
+    start_canary(sim, at(0), make_spec(batch=16))
+    d = sim.tick(at(30), p99=float("nan"), samples=float("nan"))
+    assert d.analysis_outcomes == ("Inconclusive",)
+    assert d.status.rollout is not None and d.status.rollout.failures == 0
+
+
+# --------------------------------------------------------------------------- failures
+
+
+def test_failed_analyses_reach_failure_limit_and_roll_back_with_evidence() -> None:
+    sim = healthy(make_spec())
+    stable = sim.status.stable_revision
+    new = make_spec(batch=16)
+    start_canary(sim, at(0), new)
+    d = sim.tick(at(30), p99=0.412)
+    assert d.analysis_outcomes == ("Failed",) and "AnalysisFailed" in reasons(d)
+    assert d.status.rollout is not None and d.status.rollout.failures == 1
+    assert "failures 1/2" in d.status.message
+    d = sim.tick(at(60), samples=1)  # an Inconclusive in between: failures stay counted
+    assert d.status.rollout is not None and d.status.rollout.failures == 1
+    d = sim.tick(at(90), p99=0.5)
+    assert d.rollout_outcomes == ("RolledBack",)
+    assert d.status.phase is Phase.ROLLED_BACK
+    assert d.canary_revision is None and d.canary_replicas == 0
+    assert (d.stable_revision, d.stable_replicas) == (stable, 4)
+    assert "0.5s > 0.2s" in d.status.message and new.revision() in d.status.message
+    assert d.status.failed_revisions[-1].revision == new.revision()
+    assert d.status.history[-1].outcome == "RolledBack"
+    assert d.status.history[-1].reason == "AnalysisFailed" and "0.5s > 0.2s" in d.status.history[-1].evidence
+    assert cond(d.status, "Stalled") == ("True", "RolledBack")
+    assert cond(d.status, "Ready") == ("False", "RolledBack")
+    assert any(e.type == "Warning" and e.reason == "RolledBack" for e in d.events)
+    analysis_entries = [e for e in d.status.ledger if e.kind == "Analysis" and e.outcome == "Failed"]
+    assert [e.value for e in analysis_entries] == [0.412, 0.5]
+    assert all(e.query and "histogram_quantile(0.99" in e.query for e in analysis_entries)
+    assert analysis_entries[0].stable_value == 0.05 and analysis_entries[0].threshold == 0.2
+    assert d.requeue_after is None
+
+
+def test_queue_age_breach_fails_too() -> None:
+    sim = healthy(make_spec(failureLimit=1))
+    start_canary(sim, at(0), make_spec(batch=16, failureLimit=1))
+    d = sim.tick(at(30), queue_age=0.3)
+    assert d.status.phase is Phase.ROLLED_BACK
+    assert "queueAge" in d.status.message
+
+
+def test_rolled_back_revision_is_not_retried() -> None:
+    sim = healthy(make_spec(failureLimit=1))
+    bad = make_spec(batch=16, failureLimit=1)
+    start_canary(sim, at(0), bad)
+    d = sim.tick(at(30), p99=1.0)
+    assert d.status.phase is Phase.ROLLED_BACK
+    for t in (31, 100, 1000, 10000):
+        d = sim.tick(at(t))
+        assert d.status.phase is Phase.ROLLED_BACK and d.canary_revision is None
+        assert d.events == () and d.rollout_outcomes == ()
+    # a non-revision change (replicas) keeps it rolled back
+    sim.set_spec(make_spec(batch=16, failureLimit=1, replicas=6))
+    d = sim.tick(at(10001))
+    assert d.status.phase is Phase.ROLLED_BACK and d.stable_replicas == 6 and d.canary_revision is None
+    assert d.status.observed_generation == sim.generation
+    # another revision canaries
+    other = make_spec(batch=32, failureLimit=1, replicas=6)
+    sim.set_spec(other)
+    d = sim.tick(at(10002))
+    assert d.canary_revision == other.revision() and d.status.phase is Phase.PROGRESSING
+    # back to the bad one mid-canary: the canary is dropped, no canary of the bad revision
+    sim.set_spec(make_spec(batch=16, failureLimit=1, replicas=6))
+    d = sim.tick(at(10003))
+    assert d.canary_revision is None and d.status.phase is Phase.ROLLED_BACK
+    assert d.rollout_outcomes == ("Superseded",)
+
+
+def test_retry_command_clears_the_failed_mark_once() -> None:
+    sim = healthy(make_spec(failureLimit=1))
+    bad = make_spec(batch=16, failureLimit=1)
+    start_canary(sim, at(0), bad)
+    sim.tick(at(30), p99=1.0)
+    sim.commands = Commands(retry="alice@2026-11-30T02:00:00Z")
+    d = sim.tick(at(40))
+    assert "Retry" in reasons(d)
+    assert d.canary_revision == bad.revision() and d.status.phase is Phase.PROGRESSING
+    assert d.status.failed_revisions == []
+    assert d.status.handled_commands["retry"] == "alice@2026-11-30T02:00:00Z"
+    entry = [e for e in d.status.ledger if e.kind == "Command"][-1]
+    assert entry.reason == "retry" and entry.evidence == "alice@2026-11-30T02:00:00Z"
+    assert d.status.rollout is not None and d.status.rollout.failures == 0
+    sim.tick(at(40))
+    d = sim.tick(at(70), p99=1.0)  # fails again: rolled back, the same retry value does nothing
+    assert d.status.phase is Phase.ROLLED_BACK
+    d = sim.tick(at(80))
+    assert d.status.phase is Phase.ROLLED_BACK and d.events == ()
+
+
+def test_retry_of_a_revision_that_did_not_fail_is_ignored() -> None:
+    sim = healthy(make_spec())
+    sim.commands = Commands(retry="x@1")
+    d = sim.tick(at(5))
+    assert "CommandIgnored" in reasons(d) and d.status.phase is Phase.HEALTHY
+    assert sim.tick(at(6)).events == ()
+
+
+# --------------------------------------------------------------------------- metrics errors
+
+
+def test_error_under_hold_stalls_and_resumes() -> None:
+    sim = healthy(make_spec())
+    start_canary(sim, at(0), make_spec(batch=16))
+    sim.tick(at(30))  # lane passed
+    d = sim.tick(at(60), error=True)
+    assert d.analysis_outcomes == ("Error",)
+    assert cond(d.status, "Stalled") == ("True", "MetricsUnavailable")
+    assert "Stalled" in reasons(d)
+    assert d.status.current_step_index == 0  # pause over and lane passed, but held
+    assert d.status.rollout is not None and d.status.rollout.metrics_error_since == at(60)
+    for t in range(90, 3600, 30):
+        d = sim.tick(at(t), error=True)
+        assert d.status.phase is Phase.PROGRESSING and d.canary_revision is not None
+        assert "Stalled" not in reasons(d)
+    assert d.status.rollout is not None
+    assert d.status.rollout.failures == 0 and d.status.rollout.metrics_error_since == at(60)
+    assert "holding" in d.status.message
+    d = sim.tick(at(3600))
+    assert "MetricsRestored" in reasons(d)
+    assert cond(d.status, "Stalled")[0] == "False"
+    assert d.status.current_step_index == 1
+    assert d.status.rollout is not None and d.status.rollout.metrics_error_since is None
+
+
+@pytest.mark.parametrize(
+    ("last_error_at", "rolled_back"),
+    [(60 + 570, False), (60 + 600, True)],
+)
+def test_error_under_rollback_waits_for_the_deadline(last_error_at: int, rolled_back: bool) -> None:
+    mu = {"action": "Rollback", "deadline": "10m"}
+    sim = healthy(make_spec(onMetricsUnavailable=mu))
+    new = make_spec(batch=16, onMetricsUnavailable=mu)
+    start_canary(sim, at(0), new)
+    sim.tick(at(30))
+    for t in range(60, last_error_at + 1, 30):
+        d = sim.tick(at(t), error=True)
+    if rolled_back:
+        assert d.status.phase is Phase.ROLLED_BACK
+        assert d.status.failed_revisions[-1].reason == "MetricsUnavailable"
+        assert d.rollout_outcomes == ("RolledBack",)
+    else:
+        assert d.status.phase is Phase.PROGRESSING
+        assert cond(d.status, "Stalled") == ("True", "MetricsUnavailable")
+        assert "rolling back at 2026-11-30T01:11:00Z" in d.status.message
+        assert d.requeue_after == 30  # next analysis before the deadline
+
+
+def test_rollback_deadline_is_checked_without_an_analysis() -> None:
+    mu = {"action": "Rollback", "deadline": "5m"}
+    sim = healthy(make_spec(onMetricsUnavailable=mu))
+    start_canary(sim, at(0), make_spec(batch=16, onMetricsUnavailable=mu))
+    sim.tick(at(30), error=True)
+    d = sim.plan(at(329))
+    assert d.status.phase is Phase.PROGRESSING
+    d = sim.plan(at(330))
+    assert d.status.phase is Phase.ROLLED_BACK
+
+
+def test_metrics_returning_before_the_deadline_resets_the_streak() -> None:
+    mu = {"action": "Rollback", "deadline": "2m"}
+    sim = healthy(make_spec(onMetricsUnavailable=mu))
+    start_canary(sim, at(0), make_spec(batch=16, onMetricsUnavailable=mu))
+    sim.tick(at(30), error=True)
+    sim.tick(at(60), error=True)
+    sim.tick(at(90), samples=1)  # Inconclusive: metrics are back
+    d = sim.tick(at(120), error=True)
+    d = sim.tick(at(150), error=True)
+    assert d.status.phase is Phase.PROGRESSING  # 30s into the new streak
+    assert d.status.rollout is not None and d.status.rollout.metrics_error_since == at(120)
+
+
+# --------------------------------------------------------------------------- spec changes mid-canary
+
+
+def test_new_revision_mid_canary_supersedes() -> None:
+    sim = healthy(make_spec())
+    stable = sim.status.stable_revision
+    r2, r3 = make_spec(batch=16), make_spec(batch=32)
+    start_canary(sim, at(0), r2)
+    sim.tick(at(30), p99=0.5)  # one failure on r2
+    sim.tick(at(60))
+    sim.tick(at(61))
+    assert sim.status.current_step_index == 1
+    sim.set_spec(r3)
+    d = sim.tick(at(70), converge_after=False)
+    assert d.rollout_outcomes == ("Superseded",)
+    assert d.status.history[-1].revision == r2.revision() and d.status.history[-1].outcome == "Superseded"
+    assert d.stable_revision == stable and d.canary_revision == r3.revision()
+    r = d.status.rollout
+    assert r is not None and (r.step_index, r.failures, r.passed_lanes, r.revision) == (
+        0,
+        0,
+        [],
+        r3.revision(),
+    )
+    assert d.status.failed_revisions == []
+    # an analysis of the superseded revision that arrives late is ignored
+    late = AnalysisResult(time=at(71), window="30s", canary_revision=r2.revision(), stable_revision=stable)
+    d = sim.plan(at(200), late)
+    assert d.analysis_outcomes == ()
+
+
+def test_revert_to_stable_revision_drops_the_canary() -> None:
+    sim = healthy(make_spec())
+    start_canary(sim, at(0), make_spec(batch=16))
+    sim.set_spec(make_spec())
+    d = sim.tick(at(10))
+    assert d.canary_revision is None and d.status.phase is Phase.HEALTHY
+    assert d.rollout_outcomes == ("Superseded",)
+    assert "reverted" in d.status.history[-1].reason
+
+
+def test_non_revision_change_continues_the_rollout_with_new_settings() -> None:
+    sim = healthy(make_spec())
+    new = make_spec(batch=16)
+    start_canary(sim, at(0), new)
+    sim.tick(at(30))
+    changed = make_spec(batch=16, replicas=10, steps=[{"weight": 25, "pause": "2m"}, {"weight": 50}])
+    assert changed.revision() == new.revision()
+    sim.set_spec(changed)
+    d = sim.tick(at(60))
+    assert d.rollout_outcomes == () and d.status.current_step_index == 0  # pause is now 2m
+    assert (d.stable_replicas, d.canary_replicas, d.status.canary_weight) == (7, 3, 30)
+    assert d.status.rollout is not None and d.status.rollout.passed_lanes == ["interactive"]
+    # steps shortened under a canary at step 2: clamped to the new last step
+    sim.tick(at(120))
+    sim.tick(at(121))
+    assert sim.status.current_step_index == 1
+    sim.set_spec(make_spec(batch=16, replicas=10, steps=[{"weight": 40, "pause": "30s"}]))
+    d = sim.tick(at(122))
+    assert d.status.current_step_index == 0 and d.status.step_weight == 40 and d.status.step_count == 1
+
+
+# --------------------------------------------------------------------------- manual commands
+
+
+def test_pause_holds_the_step_clock_and_resume_continues() -> None:
+    sim = healthy(make_spec())
+    new = make_spec(batch=16)
+    start_canary(sim, at(0), new)
+    sim.tick(at(30))  # lane passed, 30s of the step left
+    sim.commands = Commands(pause="carol@t")
+    d = sim.tick(at(40))
+    assert d.status.phase is Phase.PAUSED and "Paused" in reasons(d)
+    assert cond(d.status, "Reconciling") == ("True", "Paused")
+    assert d.requeue_after is None
+    assert not analysis_due(new, d.status, at(500))
+    d = sim.tick(at(500))
+    assert d.status.phase is Phase.PAUSED and d.events == () and d.analysis_outcomes == ()
+    sim.commands = Commands()
+    d = sim.tick(at(1000))
+    assert "Resumed" in reasons(d) and d.status.phase is Phase.PROGRESSING
+    r = d.status.rollout
+    assert r is not None and r.step_started_at == at(960)  # 960s held
+    assert d.status.current_step_index == 0  # 40s into the step: 20s left
+    assert "step pause ends at 2026-11-30T01:17:00Z" in d.status.message  # 960 + 60
+    d = sim.tick(at(1020))
+    assert d.status.current_step_index == 1
+    assert [e.kind for e in d.status.ledger if e.kind in ("Paused", "Resumed")] == ["Paused", "Resumed"]
+
+
+def test_pause_false_is_not_paused_and_pause_before_canary_holds_the_new_canary() -> None:
+    assert not Commands(pause="false").paused and not Commands(pause="").paused
+    assert Commands(pause="true").paused
+    sim = healthy(make_spec())
+    sim.commands = Commands(pause="true")
+    d = sim.tick(at(5))
+    assert d.status.phase is Phase.HEALTHY and d.status.paused
+    sim.set_spec(make_spec(batch=16))
+    sim.tick(at(10))
+    d = sim.tick(at(20))
+    assert d.status.phase is Phase.PAUSED
+    assert d.status.rollout is not None and d.status.rollout.paused_at == at(20)
+    d = sim.tick(at(200))
+    assert d.status.current_step_index == 0 and d.analysis_outcomes == ()
+
+
+def test_promote_command_promotes_now_once() -> None:
+    sim = healthy(make_spec(), roundtrip=True)
+    new = make_spec(batch=16)
+    start_canary(sim, at(0), new)
+    sim.commands = Commands(promote="dave@2026-11-30T01:00:05Z")
+    d = sim.tick(at(5))
+    assert d.rollout_outcomes == ("Promoted",)
+    assert d.status.stable_revision == new.revision()
+    assert d.status.history[-1].reason == "PromotedManually"
+    assert "promoted by dave@2026-11-30T01:00:05Z" in d.status.history[-1].evidence
+    for t in (6, 7, 100):
+        d = sim.tick(at(t))
+        assert d.rollout_outcomes == () and d.events == ()
+    assert [h.outcome for h in d.status.history] == ["Promoted", "Promoted"]
+
+
+def test_abort_command_rolls_back_and_marks_failed() -> None:
+    sim = healthy(make_spec())
+    new = make_spec(batch=16)
+    start_canary(sim, at(0), new)
+    sim.commands = Commands(abort="erin@t")
+    d = sim.tick(at(5))
+    assert d.rollout_outcomes == ("Aborted",)
+    assert d.status.phase is Phase.ROLLED_BACK and d.canary_revision is None
+    assert d.status.failed_revisions[-1].reason == "Aborted"
+    assert d.status.history[-1].outcome == "Aborted"
+    assert "aborted by erin@t" in d.status.message
+    d = sim.tick(at(6))
+    assert d.status.phase is Phase.ROLLED_BACK and d.events == ()
+
+
+@pytest.mark.parametrize("command", ["promote", "abort"])
+def test_promote_or_abort_without_canary_is_ignored_and_recorded(command: str) -> None:
+    sim = healthy(make_spec())
+    sim.commands = Commands(**{command: "frank@t"})
+    d = sim.tick(at(5))
+    assert reasons(d) == ["CommandIgnored"] and d.status.phase is Phase.HEALTHY
+    assert d.status.ledger[-1].kind == "Command" and d.status.ledger[-1].evidence == "frank@t"
+    # a leftover annotation does not act on a later canary
+    sim.set_spec(make_spec(batch=16))
+    d = sim.tick(at(6))
+    assert d.status.phase is Phase.PROGRESSING and d.rollout_outcomes == ()
+
+
+def test_commands_from_annotations() -> None:
+    c = Commands.from_annotations({"batchpilot.dev/pause": "true", "batchpilot.dev/promote": "a@1", "other": "x"})
+    assert c == Commands(pause="true", promote="a@1")
+    assert Commands.from_annotations(None) == Commands()
+
+
+# --------------------------------------------------------------------------- restart safety
+
+
+def _scenario(sim: Sim) -> list[Decision]:
+    """A rollout with a failure, an Inconclusive, an outage, a pause, and a promotion."""
+    sim.tick(at(0))
+    sim.tick(at(1))
+    sim.set_spec(make_spec(batch=16))
+    sim.tick(at(2))
+    sim.tick(at(3))
+    sim.tick(at(33), p99=0.3)
+    sim.tick(at(63), samples=2)
+    sim.tick(at(93), error=True)
+    sim.tick(at(100))
+    sim.commands = Commands(pause="true")
+    sim.tick(at(110))
+    sim.commands = Commands()
+    sim.tick(at(150))
+    for t in range(153, 400, 10):
+        sim.tick(at(t))
+    return sim.decisions
+
+
+def test_restart_mid_step_resumes_exactly() -> None:
+    plain = _scenario(Sim(make_spec()))
+    restarted = _scenario(Sim(make_spec(), roundtrip=True))
+    assert [d.status.to_dict() for d in plain] == [d.status.to_dict() for d in restarted]
+    assert [(d.events, d.rollout_outcomes, d.analysis_outcomes) for d in plain] == [
+        (d.events, d.rollout_outcomes, d.analysis_outcomes) for d in restarted
+    ]
+    promotions = [o for d in plain for o in d.rollout_outcomes]
+    assert promotions == ["Promoted"]
+    assert plain[-1].status.phase is Phase.HEALTHY
+
+
+def test_replaying_the_same_inputs_is_idempotent_no_double_promotion() -> None:
+    sim = healthy(make_spec())
+    new = make_spec(batch=16)
+    start_canary(sim, at(0), new)
+    sim.tick(at(30))
+    sim.tick(at(60))
+    sim.tick(at(61))
+    sim.tick(at(91))
+    result = measured(new, sim.status, at(121))
+    inputs = PlanInputs(
+        spec=new,
+        generation=sim.generation,
+        status=sim.status,
+        observed=sim.observed,
+        now=at(121),
+        analysis=result,
+    )
+    first = plan(inputs)
+    assert first.rollout_outcomes == ("Promoted",)
+    # the operator crashed after writing status but before the next reconcile: replay with the new
+    # status and the same (now stale) analysis
+    again = plan(
+        PlanInputs(
+            spec=new,
+            generation=sim.generation,
+            status=Status.from_dict(first.status.to_dict()),
+            observed=converge(first),
+            now=at(121),
+            analysis=result,
+        )
+    )
+    assert again.rollout_outcomes == () and "Promoted" not in reasons(again)
+    # the crash happened before status was written: the same inputs give the same decision
+    assert plan(inputs) == first
+
+
+def _merge_patch(target: Any, patch: Any) -> Any:
+    """RFC 7386 JSON merge patch, as the apiserver applies it."""
+    if not isinstance(patch, dict):
+        return patch
+    out = dict(target) if isinstance(target, dict) else {}
+    for k, v in patch.items():
+        if v is None:
+            out.pop(k, None)
+        else:
+            out[k] = _merge_patch(out.get(k), v)
+    return out
+
+
+def test_status_patch_clears_stale_fields_when_merged() -> None:
+    sim = healthy(make_spec())
+    start_canary(sim, at(0), make_spec(batch=16))
+    stored: dict[str, Any] = {"kopf": {"progress": {}}}
+    for t, kw in [(30, {"error": True}), (60, {}), (61, {}), (91, {}), (121, {}), (122, {})]:
+        d = sim.tick(at(t), **kw)
+        stored = _merge_patch(stored, d.status.to_patch())
+        assert {k: v for k, v in stored.items() if k != "kopf"} == d.status.to_dict()
+    assert "rollout" not in stored and "canaryRevision" not in stored and stored["kopf"] == {"progress": {}}
+    assert Status.from_dict(copy.deepcopy(stored)) == sim.status
+
+
+# --------------------------------------------------------------------------- misc
+
+
+def test_ledger_and_history_are_bounded() -> None:
+    sim = healthy(make_spec(maxInconclusive=1000))
+    start_canary(sim, at(0), make_spec(batch=16, maxInconclusive=1000))
+    for i in range(1, 60):
+        d = sim.tick(at(30 * i), samples=1)
+    assert len(d.status.ledger) == LEDGER_LIMIT
+    assert d.status.ledger[-1].time == at(30 * 59)
+    assert d.status.ledger[-1].kind == "Analysis" and d.status.ledger[-1].metric == "queueAge"
+
+
+def test_history_limit_prunes_revision_configmaps() -> None:
+    sim = healthy(make_spec(historyLimit=2, steps=[{"weight": 50, "pause": "0s"}]))
+    revisions = [sim.status.stable_revision]
+    t = 10
+    for batch in (16, 32, 48, 64):
+        spec = make_spec(batch=batch, historyLimit=2, steps=[{"weight": 50, "pause": "0s"}])
+        start_canary(sim, at(t), spec)
+        d = sim.tick(at(t + 30))
+        assert d.rollout_outcomes == ("Promoted",)
+        revisions.append(spec.revision())
+        t += 100
+    d = sim.tick(at(t))
+    assert d.keep_revisions == (revisions[-1], revisions[-2], revisions[-3])
+
+
+def test_degraded_when_stable_has_no_ready_pod() -> None:
+    sim = healthy(make_spec())
+    sim.observed = Observed(stable=TrackObserved(sim.status.stable_revision, 4, 0))
+    d = sim.plan(at(10), converge_after=False)
+    assert d.status.phase is Phase.DEGRADED and d.requeue_after == POLL_SECONDS
+    assert cond(d.status, "Ready") == ("False", "Degraded")
+    sim.observed = Observed(stable=TrackObserved(sim.status.stable_revision, 4, 2))
+    d = sim.plan(at(11), converge_after=False)
+    assert d.status.phase is Phase.HEALTHY
+    assert cond(d.status, "Ready") == ("False", "StableScaling")
+    assert cond(d.status, "Reconciling")[0] == "True"
+    d = sim.plan(at(12))
+    d = sim.plan(at(13))
+    ready = d.status.condition("Ready")
+    assert ready is not None and ready.status == "True" and ready.last_transition_time == at(13)
+    ready = sim.plan(at(14)).status.condition("Ready")
+    assert ready is not None and ready.last_transition_time == at(13)
+
+
+def test_canary_not_ready_stalls_after_the_deadline() -> None:
+    sim = healthy(make_spec())
+    sim.set_spec(make_spec(batch=16))
+    sim.tick(at(0), converge_after=False)
+    d = sim.plan(at(CANARY_READY_DEADLINE - 1), converge_after=False)
+    assert cond(d.status, "Stalled")[0] == "False"
+    d = sim.plan(at(CANARY_READY_DEADLINE), converge_after=False)
+    assert cond(d.status, "Stalled") == ("True", "CanaryNotReady")
+    assert d.status.phase is Phase.PROGRESSING and d.canary_revision is not None
+
+
+def test_analysis_not_due_is_ignored() -> None:
+    sim = healthy(make_spec())
+    new = make_spec(batch=16)
+    start_canary(sim, at(0), new)
+    early = measured(new, sim.status, at(10), p99=9.0)
+    d = sim.plan(at(10), early)
+    assert d.analysis_outcomes == () and d.status.rollout is not None and d.status.rollout.failures == 0
+
+
+def test_requeue_after_points_at_the_next_deadline() -> None:
+    sim = healthy(make_spec(analysisInterval="20s", steps=[{"weight": 25, "pause": "50s"}, {"weight": 50}]))
+    start_canary(
+        sim,
+        at(0),
+        make_spec(batch=16, analysisInterval="20s", steps=[{"weight": 25, "pause": "50s"}, {"weight": 50}]),
+    )
+    assert sim.decisions[-1].requeue_after == 20
+    assert sim.tick(at(20)).requeue_after == 20
+    assert sim.tick(at(40)).requeue_after == 10  # pause ends at 50
+    assert sim.tick(at(50)).requeue_after == POLL_SECONDS  # advanced: waiting for pods
+
+
+def test_status_round_trip_and_camel_case() -> None:
+    sim = healthy(make_spec())
+    start_canary(sim, at(0), make_spec(batch=16))
+    d = sim.tick(at(30))
+    data = d.status.to_dict()
+    for key in ("observedGeneration", "stableRevision", "canaryRevision", "currentStepIndex", "canaryWeight"):
+        assert key in data
+    assert data["rollout"]["stepStartedAt"] == "2026-11-30T01:00:00Z"
+    assert data["lastAnalysis"]["lanes"][0]["p99LatencySlo"] == 0.2
+    assert data["ledger"][-1]["stableValue"] == 0.005
+    assert Status.from_dict(data) == d.status
+    assert Status.from_dict(None) == Status()
+
+
+def test_naive_now_is_rejected() -> None:
+    with pytest.raises(ValueError):
+        plan(PlanInputs(spec=make_spec(), generation=1, status=Status(), observed=Observed(), now=datetime(2026, 1, 1)))
+
+
+def test_rolled_back_then_spec_reverted_to_stable_is_healthy() -> None:
+    sim = healthy(make_spec(failureLimit=1))
+    start_canary(sim, at(0), make_spec(batch=16, failureLimit=1))
+    assert sim.tick(at(30), p99=1.0).status.phase is Phase.ROLLED_BACK
+    sim.set_spec(make_spec(failureLimit=1))
+    d = sim.tick(at(40))
+    assert d.status.phase is Phase.HEALTHY and cond(d.status, "Stalled")[0] == "False"
+    assert cond(d.status, "Ready") == ("True", "Healthy")
+
+
+@pytest.mark.parametrize("seed", range(40))
+def test_random_walks_keep_the_invariants(seed: int) -> None:
+    """Seeded random sequences of spec changes, analyses, commands, outages and restarts."""
+    import json
+    import random
+
+    rng = random.Random(seed)
+    specs = [make_spec(batch=b, replicas=rng.choice([1, 2, 5]), failureLimit=2) for b in (8, 16, 32)]
+    sim = Sim(specs[0])
+    t = 0.0
+    started: set[str] = set()
+    promotions: list[str] = []
+    for _ in range(60):
+        t += rng.choice([1, 5, 30, 30, 61, 700])
+        roll = rng.random()
+        if roll < 0.12:
+            sim.set_spec(rng.choice(specs))
+        elif roll < 0.18:
+            name = rng.choice(["promote", "abort", "retry", "pause", "resume"])
+            value = f"user@{t}"
+            if name == "pause":
+                sim.commands = Commands(pause="true")
+            elif name == "resume":
+                sim.commands = Commands()
+            else:
+                sim.commands = Commands(pause=sim.commands.pause, **{name: value})
+        kind = rng.choice(["ok", "ok", "bad", "thin", "error"])
+        kw: dict[str, Any] = {
+            "ok": {},
+            "bad": {"p99": 0.9},
+            "thin": {"samples": 1},
+            "error": {"error": True},
+        }[kind]
+        before = sim.status
+        result = measured(sim.spec, before, at(t), **kw) if analysis_due(sim.spec, before, at(t)) else None
+        inputs = PlanInputs(
+            spec=sim.spec,
+            generation=sim.generation,
+            status=before,
+            observed=sim.observed,
+            now=at(t),
+            analysis=result,
+            commands=sim.commands,
+        )
+        d = plan(inputs)
+        # restart safety: the same decision from a status that went through the API
+        restarted = plan(
+            PlanInputs(
+                spec=inputs.spec,
+                generation=inputs.generation,
+                status=Status.from_dict(json.loads(json.dumps(before.to_dict(), allow_nan=False))),
+                observed=inputs.observed,
+                now=inputs.now,
+                analysis=inputs.analysis,
+                commands=inputs.commands,
+            )
+        )
+        assert restarted.status.to_dict() == d.status.to_dict()
+        assert (restarted.events, restarted.rollout_outcomes) == (d.events, d.rollout_outcomes)
+        st = d.status
+        json.dumps(st.to_patch(), allow_nan=False)
+        if st.rollout is not None:
+            started.add(st.rollout.revision)
+            assert not st.is_failed(st.rollout.revision)
+            assert st.rollout.revision != st.stable_revision
+            assert d.canary_revision == st.rollout.revision and d.canary_replicas >= 1
+            assert d.stable_replicas >= 1 and d.stable_replicas + d.canary_replicas >= sim.spec.replicas
+        if st.phase is Phase.ROLLED_BACK:
+            assert st.is_failed(sim.spec.revision()) and d.canary_revision is None
+        if st.stable_revision is not None:
+            assert d.stable_revision == st.stable_revision
+        assert len(st.ledger) <= LEDGER_LIMIT
+        promotions += [st.stable_revision or "" for o in d.rollout_outcomes if o == "Promoted"]
+        assert all(p in started for p in promotions)
+        sim.decisions.append(d)
+        sim.status = d.status
+        sim.observed = converge(d) if rng.random() < 0.9 else sim.observed
+        # a re-plan with nothing due settles (the handler re-runs on its own status writes)
+        settle, observed = d.status, sim.observed
+        for offset in (0.5, 0.6):
+            again = plan(
+                PlanInputs(
+                    spec=sim.spec,
+                    generation=sim.generation,
+                    status=settle,
+                    observed=observed,
+                    now=at(t + offset),
+                    commands=sim.commands,
+                )
+            )
+            if offset == 0.6:
+                assert again.status.to_dict() == settle.to_dict() and again.events == ()
+            settle = again.status
+    # every promotion was of a distinct canary run: never two in a row for the same run
+    assert len(promotions) <= sum(1 for d in sim.decisions for e in d.events if e.reason == "CanaryStarted")
+
+
+class FixedPointSim(Sim):
+    """After every step, checks that re-planning with nothing due changes nothing."""
+
+    checked = 0
+
+    def plan(self, now: datetime, result: AnalysisResult | None = None, *, converge_after: bool = True) -> Decision:
+        d = super().plan(now, result, converge_after=converge_after)
+        status, observed = self.status, self.observed
+        for offset in (0.5, 0.6):
+            again = plan(
+                PlanInputs(
+                    spec=self.spec,
+                    generation=self.generation,
+                    status=status,
+                    observed=observed,
+                    now=now + timedelta(seconds=offset),
+                    commands=self.commands,
+                )
+            )
+            if offset == 0.6:
+                assert again.status.to_dict() == status.to_dict()
+                assert again.events == () and again.rollout_outcomes == ()
+            status, observed = again.status, converge(again)
+        FixedPointSim.checked += 1
+        return d
+
+
+def test_status_is_a_fixed_point_when_nothing_is_due() -> None:
+    """The handler re-runs on its own status writes (kopf.on.event): a re-plan must settle."""
+    FixedPointSim.checked = 0
+    decisions = _scenario(FixedPointSim(make_spec()))
+    assert FixedPointSim.checked == len(decisions) > 30

@@ -1,0 +1,251 @@
+"""PrometheusBackend against a real Prometheus scraping a tiny in-process exporter.
+
+The exporter serves fixed-shape histograms whose counts grow by the same amount at every
+scrape, so the bucket ratios (and the p99 from ``histogram_quantile``) are exact:
+
+* latency, per scrape: 6 obs <= 0.05s, 3 in (0.05, 0.1], 1 in (0.1, 0.25]
+  -> p99 = 0.1 + 0.15 * (0.99 - 0.9) / 0.1 = 0.235s
+* queue age, per scrape: 5 obs <= 1ms, 5 in (1ms, 10ms]
+  -> p99 = 0.001 + 0.009 * (0.99 - 0.5) / 0.5 = 0.00982s
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Callable, Iterator
+from datetime import UTC, datetime
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from typing import Any
+
+import pytest
+from bp_prometheus import PrometheusServer, ScrapeTarget, free_port
+
+from batchpilot_operator.analysis import Outcome, build_queries, run_analysis
+from batchpilot_operator.prom import PrometheusBackend, scalar_from_result
+from batchpilot_operator.spec import PolicySpec
+
+LAT_BUCKETS = ((0.05, 6), (0.1, 9), (0.25, 10))
+QA_BUCKETS = ((0.001, 5), (0.01, 10))
+PER_SCRAPE = 10
+EXPECTED_P99 = 0.235
+EXPECTED_QA_P99 = 0.00982
+
+
+class Exporter:
+    """Serves /metrics for one revision and lane; counters grow by PER_SCRAPE per scrape."""
+
+    def __init__(self, revision: str, lane: str, scale: float = 1.0) -> None:
+        self.revision, self.lane, self.scale = revision, lane, scale
+        self.scrapes = 0
+        self.lock = threading.Lock()
+        exporter = self
+
+        class Handler(BaseHTTPRequestHandler):
+            def do_GET(self) -> None:
+                body = exporter.render().encode()
+                self.send_response(200)
+                self.send_header("Content-Type", "text/plain; version=0.0.4")
+                self.send_header("Content-Length", str(len(body)))
+                self.end_headers()
+                self.wfile.write(body)
+
+            def log_message(self, format: str, *args: Any) -> None:
+                pass
+
+        self.server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.thread = threading.Thread(target=self.server.serve_forever, daemon=True)
+        self.thread.start()
+        self.address = f"127.0.0.1:{self.server.server_address[1]}"
+
+    def render(self) -> str:
+        with self.lock:
+            self.scrapes += 1
+            n = self.scrapes
+        lines = []
+        for name, buckets in (
+            ("batchpilot_request_latency_seconds", LAT_BUCKETS),
+            ("batchpilot_queue_age_seconds", QA_BUCKETS),
+        ):
+            labels = f'lane="{self.lane}",revision="{self.revision}"'
+            lines.append(f"# TYPE {name} histogram")
+            for le, cum in buckets:
+                lines.append(f'{name}_bucket{{{labels},le="{le * self.scale}"}} {cum * n}')
+            lines.append(f'{name}_bucket{{{labels},le="+Inf"}} {PER_SCRAPE * n}')
+            lines.append(f"{name}_sum{{{labels}}} {0.05 * PER_SCRAPE * n}")
+            lines.append(f"{name}_count{{{labels}}} {PER_SCRAPE * n}")
+        return "\n".join(lines) + "\n"
+
+    def close(self) -> None:
+        self.server.shutdown()
+        self.server.server_close()
+
+
+@pytest.fixture
+def exporters() -> Iterator[Callable[..., Exporter]]:
+    made: list[Exporter] = []
+
+    def make(revision: str, lane: str = "interactive", scale: float = 1.0) -> Exporter:
+        e = Exporter(revision, lane, scale)
+        made.append(e)
+        return e
+
+    yield make
+    for e in made:
+        e.close()
+
+
+def labels(track: str) -> dict[str, str]:
+    return {"namespace": "ml", "policy": "chat", "track": track}
+
+
+def spec(window: str = "10s") -> PolicySpec:
+    return PolicySpec.model_validate(
+        {
+            "model": {"name": "m", "image": "img:1", "source": "builtin:mlp"},
+            "lanes": [
+                {
+                    "name": "interactive",
+                    "maxBatchSize": 8,
+                    "maxQueueDelay": "5ms",
+                    "maxQueueLength": 100,
+                    "requestTimeout": "1s",
+                }
+            ],
+            "slo": {"p99Latency": "200ms", "maxQueueAge": "50ms"},
+            "rollout": {"analysisInterval": window, "minSamples": 20},
+        }
+    )
+
+
+def wait_samples(prom: PrometheusServer, query: str, minimum: float) -> None:
+    prom.wait_for(query, lambda r: bool(r) and float(r[0]["value"][1]) >= minimum, timeout=40)
+
+
+@pytest.mark.prometheus
+def test_backend_measures_p99_and_samples_from_real_prometheus(
+    prometheus: PrometheusServer, exporters: Callable[..., Exporter]
+) -> None:
+    canary = exporters("r2")
+    stable = exporters("r1", scale=0.2)  # 5x faster
+    # targets are added after start: proves the file_sd reload the e2e test relies on
+    prometheus.set_targets(
+        [ScrapeTarget(canary.address, labels("canary")), ScrapeTarget(stable.address, labels("stable"))]
+    )
+    prometheus.wait_for_targets_up(2)
+    q = build_queries(policy="chat", namespace="ml", track="canary", revision="r2", lane="interactive", window=10)
+    # a full 10s window of 10 observations per 1s scrape: ~100 (increase() extrapolates)
+    wait_samples(prometheus, q.metric("p99Latency").samples, 80)
+
+    backend = PrometheusBackend(prometheus.url, timeout=5)
+    got = backend.measure(q.all())
+    lat, qa = q.metric("p99Latency"), q.metric("queueAge")
+    assert all(m.error is None for m in got.values()), got
+    assert got[lat.value].value == pytest.approx(EXPECTED_P99, rel=1e-6)
+    assert got[qa.value].value == pytest.approx(EXPECTED_QA_P99, rel=1e-6)
+    assert 80 <= (got[lat.samples].value or 0) <= 150
+    assert got[qa.samples].value == got[lat.samples].value
+
+    # no series for another revision: no data (None), not an error
+    other = build_queries(policy="chat", namespace="ml", track="canary", revision="zz", lane="interactive", window=10)
+    none = backend.measure(other.all())
+    assert all(m.error is None and m.value is None for m in none.values())
+
+    # the verdict end to end: canary p99 0.235s > SLO 200ms with enough samples -> Failed;
+    # the stable track's (5x lower) values come back as evidence
+    wait_samples(
+        prometheus,
+        build_queries(policy="chat", namespace="ml", track="stable", revision="r1", lane="interactive", window=10)
+        .metric("p99Latency")
+        .samples,
+        40,
+    )
+    result = run_analysis(
+        backend, spec(), policy="chat", namespace="ml", canary_revision="r2", stable_revision="r1", now=_now()
+    )
+    assert result.outcome is Outcome.FAILED
+    (lane,) = result.lanes
+    latency = lane.check("p99Latency")
+    stable_latency = lane.check("p99Latency", "stable")
+    assert latency is not None and latency.outcome is Outcome.FAILED
+    assert latency.value == pytest.approx(EXPECTED_P99, rel=1e-6)
+    assert stable_latency is not None and stable_latency.value == pytest.approx(EXPECTED_P99 * 0.2, rel=1e-6)
+    queue_age = lane.check("queueAge")
+    assert queue_age is not None and queue_age.outcome is Outcome.SUCCESSFUL
+    backend.close()
+
+
+@pytest.mark.prometheus
+def test_stopped_prometheus_gives_error_not_exception(
+    prometheus: PrometheusServer, exporters: Callable[..., Exporter]
+) -> None:
+    e = exporters("r2")
+    prometheus.set_targets([ScrapeTarget(e.address, labels("canary"))])
+    prometheus.wait_for_targets_up(1)
+    backend = PrometheusBackend(prometheus.url, timeout=2)
+    q = build_queries(policy="chat", namespace="ml", track="canary", revision="r2", lane="interactive", window=10)
+    assert all(m.error is None for m in backend.measure(q.all()).values())
+    prometheus.stop()
+    started = time.monotonic()
+    got = backend.measure(q.all())
+    assert time.monotonic() - started < 5  # one refused connection, not retries per query
+    assert set(got) == set(q.all())
+    assert all(m.error is not None and "unreachable" in m.error for m in got.values())
+    result = run_analysis(
+        backend, spec(), policy="chat", namespace="ml", canary_revision="r2", stable_revision=None, now=_now()
+    )
+    assert result.outcome is Outcome.ERROR
+    # and back: the same backend measures again once Prometheus returns
+    prometheus.start()
+    prometheus.wait_for_targets_up(1)
+    wait_samples(prometheus, q.metric("p99Latency").samples, 1)
+    assert all(m.error is None for m in backend.measure(q.all()).values())
+
+
+@pytest.mark.prometheus
+def test_invalid_query_is_an_error_measurement(prometheus: PrometheusServer) -> None:
+    backend = PrometheusBackend(prometheus.url, timeout=2)
+    got = backend.measure(["sum(rate(foo[", "vector(1.5)", "vector(0) / 0"])
+    assert got["sum(rate(foo["].error is not None and "prometheus error" in (got["sum(rate(foo["].error or "")
+    assert got["vector(1.5)"].value == 1.5 and got["vector(1.5)"].error is None
+    assert got["vector(0) / 0"].value is None and got["vector(0) / 0"].error is None  # NaN: no data
+
+
+def test_unreachable_url_gives_error_quickly() -> None:
+    backend = PrometheusBackend(f"http://127.0.0.1:{free_port()}", timeout=1)
+    started = time.monotonic()
+    got = backend.measure(["up", "vector(1)"])
+    assert time.monotonic() - started < 3
+    assert all(m.error is not None for m in got.values())
+
+
+@pytest.mark.parametrize(
+    ("result", "expected"),
+    [
+        ([], None),
+        ([{"metric": {}, "value": [1.0, "0.25"]}], 0.25),
+        ([{"metric": {}, "value": [1.0, "NaN"]}], None),
+        ([{"metric": {}, "value": [1.0, "+Inf"]}], float("inf")),
+        ([1.0, "3"], 3.0),
+    ],
+)
+def test_scalar_from_result(result: Any, expected: float | None) -> None:
+    assert scalar_from_result(result) == expected
+
+
+@pytest.mark.parametrize(
+    "result",
+    [
+        [{"metric": {"a": "1"}, "value": [1, "1"]}, {"metric": {"a": "2"}, "value": [1, "2"]}],
+        [{"metric": {}}],
+        {"unexpected": True},
+        [{"metric": {}, "value": [1.0, "abc"]}],
+    ],
+)
+def test_scalar_from_malformed_result_raises_value_error(result: Any) -> None:
+    with pytest.raises(ValueError):
+        scalar_from_result(result)
+
+
+def _now() -> datetime:
+    return datetime.now(UTC)
