@@ -1,31 +1,28 @@
 """Shared fixtures of the operator tests.
 
 Prometheus: ``prometheus_factory`` (function scope; call it with a list of
-``bp_prometheus.ScrapeTarget`` or ``(address, labels)`` pairs and keyword arguments of
+``ScrapeTarget`` or ``(address, labels)`` pairs and keyword arguments of
 ``start_prometheus``; everything it started is stopped at teardown) and ``prometheus`` (one
 server with no targets yet: add them with ``set_targets``). Tests using them are marked
-``@pytest.mark.prometheus``; they are skipped when the binary is missing.
-The implementation lives in ``bp_prometheus.py`` next to this file, importable from tests.
+``@pytest.mark.prometheus``; they fail when the binary is missing (hack/setup.sh installs it).
+The implementation lives in ``batchpilot_operator.localdev.prometheus`` (the demo uses it too).
 """
 
 from __future__ import annotations
 
 import os
-import sys
 from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
 import pytest
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-
-from bp_prometheus import PROMETHEUS_BIN, PrometheusServer, ScrapeTarget, start_prometheus
+from batchpilot_operator.localdev.prometheus import PROMETHEUS_BIN, PrometheusServer, ScrapeTarget, start_prometheus
 
 
 def _require_prometheus() -> None:
     if not os.access(PROMETHEUS_BIN, os.X_OK):
-        pytest.skip(f"prometheus binary not found ({PROMETHEUS_BIN}); apt-get install prometheus")
+        pytest.fail(f"prometheus binary not found ({PROMETHEUS_BIN}): run hack/setup.sh (apt-get install prometheus)")
 
 
 def _target(t: ScrapeTarget | tuple[str, dict[str, str]]) -> ScrapeTarget:

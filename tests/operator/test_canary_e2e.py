@@ -21,10 +21,10 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from bp_prometheus import PrometheusServer
 
 from batchpilot_operator.localdev.harness import RuntimeHarness
 from batchpilot_operator.localdev.load import TraceReplay
+from batchpilot_operator.localdev.prometheus import PrometheusServer
 from batchpilot_operator.tune.trace import load_trace
 from bptest import REPO, Kube, OperatorProcess, start_operator
 

@@ -19,9 +19,9 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
 
 import pytest
-from bp_prometheus import PrometheusServer, ScrapeTarget, free_port
 
 from batchpilot_operator.analysis import Outcome, build_queries, run_analysis
+from batchpilot_operator.localdev.prometheus import PrometheusServer, ScrapeTarget, free_port
 from batchpilot_operator.prom import PrometheusBackend, scalar_from_result
 from batchpilot_operator.spec import PolicySpec
 

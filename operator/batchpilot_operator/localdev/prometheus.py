@@ -1,7 +1,4 @@
-"""A real Prometheus for tests (Debian ``/usr/bin/prometheus``), usable from any test module.
-
-Imported as ``from bp_prometheus import ScrapeTarget, start_prometheus`` (tests/operator/conftest.py
-puts this directory on ``sys.path``; tests have no packages). See conftest.py for the fixtures.
+"""A real, local Prometheus (Debian ``/usr/bin/prometheus``) for the tests and the local demo.
 
 ``start_prometheus(tmp_path, targets)`` starts one on a free 127.0.0.1 port with a generated
 config: one scrape job (``batchpilot``), ``scrape_interval`` 1s, targets from a
