@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
+import time
 from typing import Any
 
 import kopf
@@ -22,6 +23,8 @@ from batchpilot_operator.spec import GROUP, PLURAL, VERSION
 
 log = logging.getLogger("batchpilot")
 RESYNC_SECONDS = float(os.environ.get("BATCHPILOT_RESYNC_SECONDS", "2"))
+ERROR_EVENT_EVERY = 300.0
+"""A reconcile error that repeats unchanged is posted as an Event at most this often."""
 
 
 @kopf.on.startup()
@@ -58,9 +61,16 @@ async def _reconcile(body: kopf.Body, memo: kopf.Memo, logger: logging.Logger | 
             logger.info("retrying on the next resync: %s", exc)
             return
         except Exception as exc:
+            # Surfaced where on-call looks (an Event on the policy) and retried next resync.
             opmetrics.RECONCILE_ERRORS.labels(body.metadata.namespace, body.metadata.name, type(exc).__name__).inc()
             logger.exception("reconcile failed; retrying on the next resync")
+            message = f"{type(exc).__name__}: {exc}"[:1000]
+            last = memo.get("last_error")
+            if last is None or last[0] != message or time.monotonic() - last[1] > ERROR_EVENT_EVERY:
+                kopf.event(body, type="Warning", reason="ReconcileError", message=message)
+                memo["last_error"] = (message, time.monotonic())
             return
+        memo["last_error"] = None
         opmetrics.RECONCILES.labels(body.metadata.namespace, body.metadata.name, str(bool(result.writes)).lower()).inc()
         if result.writes:
             logger.debug("reconcile wrote %d object(s)", result.writes)

@@ -143,6 +143,15 @@ class PrometheusServer:
         result: list[Any] = body["data"]["result"]
         return result
 
+    def query_range(self, promql: str, start: float, end: float, step: float) -> list[Any]:
+        """Range query (unix seconds); the ``data.result`` matrix."""
+        params = {"query": promql, "start": f"{start:.3f}", "end": f"{end:.3f}", "step": f"{step}"}
+        url = f"{self.url}/api/v1/query_range?" + urllib.parse.urlencode(params)
+        with urllib.request.urlopen(url, timeout=30) as resp:
+            body = json.loads(resp.read())
+        result: list[Any] = body["data"]["result"]
+        return result
+
     def wait_for(
         self, promql: str, predicate: Callable[[list[Any]], bool], timeout: float = 30.0, poll: float = 0.25
     ) -> list[Any]:

@@ -1,0 +1,30 @@
+"""`batchpilot demo`: the whole loop on one machine (see batchpilot_operator.localdev.demo)."""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+from typing import Any
+
+
+def register(sub: Any) -> None:
+    from batchpilot_operator.localdev.cluster import REPO_ROOT
+
+    p: argparse.ArgumentParser = sub.add_parser(
+        "demo", help="local end-to-end demo: control plane, Prometheus, operator, trace replay, canaries"
+    )
+    p.add_argument("--workdir", type=Path, default=REPO_ROOT / ".cache" / "demo", help="wiped at the start")
+    p.add_argument("--rate", type=float, default=40.0, help="mean request rate of the replayed trace (req/s)")
+    p.add_argument(
+        "--trace",
+        type=Path,
+        default=REPO_ROOT.parent / "shared" / "traces" / "azure-llm-2023-code.csv",
+        help="arrival trace CSV (TIMESTAMP,...) or one timestamp per line",
+    )
+    p.set_defaults(func=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    from batchpilot_operator.localdev.demo import run_demo
+
+    return run_demo(args.workdir, args.rate, args.trace)
