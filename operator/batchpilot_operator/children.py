@@ -97,21 +97,18 @@ def build_configmap(policy: str, namespace: str, uid: str, spec: PolicySpec, rev
     )
 
 
+DEFAULT_MEMORY = "4Gi"
+
+
 def _resources(spec: PolicySpec) -> dict[str, Any]:
-    requests: dict[str, str] = {}
-    limits: dict[str, str] = {}
-    if spec.resources.cpu:
-        requests["cpu"] = spec.resources.cpu
-    if spec.resources.memory:
-        requests["memory"] = limits["memory"] = spec.resources.memory
+    """Requests always set (the scheduler and the restricted profile want them): CPU from the
+    spec, else the model's thread count, else 2; memory from the spec, else 4Gi, also the limit."""
+    memory = spec.resources.memory or DEFAULT_MEMORY
+    requests: dict[str, str] = {"cpu": spec.resources.cpu or str(spec.model.threads or 2), "memory": memory}
+    limits: dict[str, str] = {"memory": memory}
     if spec.resources.gpus:
         requests["nvidia.com/gpu"] = limits["nvidia.com/gpu"] = str(spec.resources.gpus)
-    out: dict[str, Any] = {}
-    if requests:
-        out["requests"] = requests
-    if limits:
-        out["limits"] = limits
-    return out
+    return {"requests": requests, "limits": limits}
 
 
 def _tolerations(spec: PolicySpec) -> list[dict[str, Any]]:
@@ -139,7 +136,16 @@ def build_deployment(
         "name": "runtime",
         "image": spec.model.image,
         "imagePullPolicy": "IfNotPresent",
-        "args": ["--config", f"{CONFIG_DIR}/{CONFIG_KEY}", "--track", track, "--port", str(RUNTIME_PORT)],
+        "args": [
+            "--config",
+            f"{CONFIG_DIR}/{CONFIG_KEY}",
+            "--track",
+            track,
+            "--host",
+            "0.0.0.0",
+            "--port",
+            str(RUNTIME_PORT),
+        ],
         "env": [{"name": "BATCHPILOT_TRACK", "value": track}],
         "ports": [{"name": "http", "containerPort": RUNTIME_PORT, "protocol": "TCP"}],
         "readinessProbe": {"httpGet": {"path": "/v2/health/ready", "port": "http"}, **probe_common},

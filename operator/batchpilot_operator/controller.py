@@ -132,7 +132,7 @@ def reconcile(
     writes = execute(kube, body, spec, decision, deployments)
     for event in decision.events:
         emit(event.type, event.reason, event.message)
-    opmetrics.record(namespace, name, decision)
+    opmetrics.record(namespace, name, spec, decision)
     return ReconcileResult(writes, decision, decision.requeue_after)
 
 

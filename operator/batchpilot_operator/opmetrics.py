@@ -9,6 +9,7 @@ from prometheus_client import Counter, Gauge
 
 if TYPE_CHECKING:
     from batchpilot_operator.planner import Decision
+    from batchpilot_operator.spec import PolicySpec
 
 ROLLOUTS = Counter(
     "batchpilot_operator_rollouts_total",
@@ -40,10 +41,20 @@ PHASE = Gauge(
     "1 for the phase a policy is in, 0 for the others",
     ["namespace", "policy", "phase"],
 )
+LANE_SLO = Gauge(
+    "batchpilot_operator_lane_slo_seconds",
+    "Each lane's objectives as the policy states them (for alerts: p99 and queue age against SLO)",
+    ["namespace", "policy", "lane", "objective"],
+)
+STALLED = Gauge(
+    "batchpilot_operator_policy_stalled",
+    "1 while the policy's Stalled condition is True with this reason",
+    ["namespace", "policy", "reason"],
+)
 PHASES = ("Pending", "Progressing", "Paused", "Healthy", "RolledBack", "Degraded")
 
 
-def record(namespace: str, policy: str, decision: Decision) -> None:
+def record(namespace: str, policy: str, spec: PolicySpec, decision: Decision) -> None:
     for outcome in decision.rollout_outcomes:
         ROLLOUTS.labels(namespace, policy, outcome).inc()
     for outcome in decision.analysis_outcomes:
@@ -53,10 +64,36 @@ def record(namespace: str, policy: str, decision: Decision) -> None:
     current = status.phase.value if status.phase else ""
     for phase in PHASES:
         PHASE.labels(namespace, policy, phase).set(1 if phase == current else 0)
+    for lane in spec.lanes:
+        slo = spec.lane_slo(lane.name)
+        LANE_SLO.labels(namespace, policy, lane.name, "p99Latency").set(slo.p99_latency)
+        LANE_SLO.labels(namespace, policy, lane.name, "maxQueueAge").set(slo.max_queue_age)
+    stalled = status.condition("Stalled")
+    reason = stalled.reason if stalled is not None and stalled.status == "True" else None
+    for (ns, pol, known), _ in _stalled_series(namespace, policy):
+        if known != reason:
+            STALLED.labels(ns, pol, known).set(0)
+    if reason:
+        STALLED.labels(namespace, policy, reason).set(1)
+
+
+def _stalled_series(namespace: str, policy: str) -> list[tuple[tuple[str, str, str], float]]:
+    return [
+        ((s.labels["namespace"], s.labels["policy"], s.labels["reason"]), s.value)
+        for metric in STALLED.collect()
+        for s in metric.samples
+        if s.labels.get("namespace") == namespace and s.labels.get("policy") == policy
+    ]
 
 
 def forget(namespace: str, policy: str) -> None:
     """Drop a deleted policy's gauges."""
+    for gauge in (LANE_SLO, STALLED):
+        for metric in gauge.collect():
+            for sample in metric.samples:
+                if sample.labels.get("namespace") == namespace and sample.labels.get("policy") == policy:
+                    with contextlib.suppress(KeyError):
+                        gauge.remove(*sample.labels.values())
     with contextlib.suppress(KeyError):
         CANARY_WEIGHT.remove(namespace, policy)
     for phase in PHASES:

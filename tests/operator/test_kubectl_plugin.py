@@ -1,0 +1,310 @@
+"""`kubectl batchpilot` against the real control plane and a real operator process, invoked the
+way on-call does: `kubectl batchpilot ...`, found by kubectl's plugin lookup on PATH.
+
+Without Prometheus a canary's analysis reports Error, and under onMetricsUnavailable Hold the
+canary stays put (Stalled/MetricsUnavailable): a steady canary to act on.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import os
+import shutil
+import subprocess
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+
+from bptest import Kube, OperatorProcess, start_operator
+
+pytestmark = pytest.mark.cluster
+
+POLICY: dict[str, Any] = {
+    "apiVersion": "batchpilot.dev/v1alpha1",
+    "kind": "BatchingPolicy",
+    "metadata": {"name": "ranker"},
+    "spec": {
+        "model": {"name": "mlp", "image": "runtime:dev", "source": "builtin:mlp"},
+        "replicas": 2,
+        "resources": {"gpus": 1},
+        "lanes": [
+            {
+                "name": "interactive",
+                "maxBatchSize": 8,
+                "maxQueueDelay": "2ms",
+                "maxQueueLength": 64,
+                "requestTimeout": "100ms",
+            },
+            {
+                "name": "background",
+                "maxBatchSize": 64,
+                "maxQueueDelay": "20ms",
+                "maxQueueLength": 1024,
+                "requestTimeout": "5s",
+                "slo": {"p99Latency": "1s", "maxQueueAge": "500ms"},
+            },
+        ],
+        "slo": {"p99Latency": "50ms", "maxQueueAge": "10ms"},
+        "rollout": {
+            "steps": [{"weight": 25, "pause": "1h"}, {"weight": 50, "pause": "1h"}],
+            "analysisInterval": "1s",
+            "onMetricsUnavailable": {"action": "Hold"},
+        },
+    },
+}
+
+
+@pytest.fixture
+def operator(kube: Kube, namespace: str, tmp_path: Path) -> Iterator[OperatorProcess]:
+    op = start_operator(kube, namespace, tmp_path, prometheus_url="http://127.0.0.1:9")
+    yield op
+    op.stop()
+
+
+class Plugin:
+    def __init__(self, kube: Kube, namespace: str) -> None:
+        self.kube, self.namespace = kube, namespace
+        scripts = Path(sys.executable).parent
+        assert (scripts / "kubectl-batchpilot").exists(), "pip install -e . installs the kubectl-batchpilot script"
+        self.env = {**os.environ, "PATH": f"{scripts}{os.pathsep}{os.environ.get('PATH', '')}", "COLUMNS": "200"}
+
+    def run(self, *args: str, check: bool = True) -> subprocess.CompletedProcess[str]:
+        # kubectl hands everything after the plugin name to the plugin (flags included).
+        cmd = [
+            self.kube.kubectl_bin,
+            "batchpilot",
+            *args,
+            "-n",
+            self.namespace,
+            "--kubeconfig",
+            str(self.kube.kubeconfig),
+        ]
+        result = subprocess.run(cmd, capture_output=True, text=True, env=self.env, timeout=120, check=False)
+        if check and result.returncode != 0:
+            raise AssertionError(f"kubectl batchpilot {' '.join(args)} exited {result.returncode}:\n{result.stderr}")
+        return result
+
+    def json(self, *args: str) -> dict[str, Any]:
+        data: dict[str, Any] = json.loads(self.run(*args, "-o", "json").stdout)
+        return data
+
+
+def status(kube: Kube, ns: str) -> dict[str, Any]:
+    return ((kube.get("batchingpolicy", "ranker", ns) or {}).get("status")) or {}
+
+
+def wait_status(kube: Kube, ns: str, pred: Any, what: str, op: OperatorProcess) -> dict[str, Any]:
+    def check() -> dict[str, Any] | None:
+        st = status(kube, ns)
+        return st if pred(st) else None
+
+    try:
+        result: dict[str, Any] = kube.wait_for(check, 90, what)
+    except AssertionError as exc:
+        raise AssertionError(f"{exc}\noperator log:\n{op.log()[-3000:]}") from exc
+    return result
+
+
+def stalled(st: dict[str, Any]) -> bool:
+    return any(c["type"] == "Stalled" and c["status"] == "True" for c in st.get("conditions", []))
+
+
+def test_on_call_walks_a_rollout(kube: Kube, namespace: str, operator: OperatorProcess, tmp_path: Path) -> None:
+    ns, plugin = namespace, Plugin(kube, namespace)
+    kube.apply(POLICY, "-n", ns)
+    first = wait_status(kube, ns, lambda s: s.get("phase") == "Healthy", "Healthy", operator)["stableRevision"]
+
+    # status and history of a Healthy policy
+    table = plugin.run("status", "ranker").stdout
+    assert "Healthy" in table and first in table and "Last decisions" in table
+    s = plugin.json("status", "ranker")
+    assert s["phase"] == "Healthy" and s["stableRevision"] == first and s["upToDate"] is True
+    assert [d["kind"] for d in s["decisions"]] == ["Initial"]
+    h = yaml.safe_load(plugin.run("history", "ranker", "-o", "yaml").stdout)
+    assert [(r["revision"], r["outcome"]) for r in h["revisions"]] == [(first, "Promoted")]
+    assert "Revisions of" in plugin.run("history", "ranker").stdout
+
+    # a change: a canary that holds (no Prometheus)
+    changed = copy.deepcopy(POLICY)
+    changed["spec"]["lanes"][0]["maxQueueDelay"] = "3ms"
+    kube.apply(changed, "-n", ns)
+    canary = wait_status(kube, ns, lambda s: s.get("canaryRevision") and stalled(s), "a held canary", operator)
+    rev = canary["canaryRevision"]
+    s = plugin.json("status", "ranker")
+    assert s["phase"] == "Progressing" and s["canaryRevision"] == rev
+    assert s["step"] == {"index": 1, "of": 2, "weight": 25, "pause": "1h"}
+    assert s["why"].startswith("Stalled (MetricsUnavailable)")
+    assert {lane["lane"]: lane["outcome"] for lane in s["lanes"]} == {"interactive": "Error", "background": "Error"}
+    assert {lane["lane"]: lane["p99LatencySlo"] for lane in s["lanes"]} == {"interactive": 0.05, "background": 1.0}
+
+    # pause -> Paused, with who in the ledger
+    out = plugin.json("pause", "ranker", "--wait", "60")
+    assert out["phase"] == "Paused" and out["by"].startswith("admin@")
+    paused = status(kube, ns)["ledger"][-1]
+    assert paused["kind"] == "Paused" and paused["evidence"] == out["by"]
+    # resume -> continues (held again on metrics)
+    out = plugin.json("resume", "ranker", "--wait", "60")
+    assert out["phase"] == "Progressing"
+    assert "batchpilot.dev/pause" not in (kube.get("batchingpolicy", "ranker", ns) or {})["metadata"].get(
+        "annotations", {}
+    )
+
+    # abort -> RolledBack; the ledger and an Event name the user
+    out = plugin.json("abort", "ranker", "--wait", "60")
+    assert out["phase"] == "RolledBack"
+    st = status(kube, ns)
+    command = next(e for e in reversed(st["ledger"]) if e["kind"] == "Command")
+    assert command["reason"] == "abort" and command["evidence"] == out["by"] and out["by"].startswith("admin@")
+    assert st["history"][-1]["outcome"] == "Aborted" and out["by"] in st["history"][-1]["evidence"]
+    events = yaml.safe_load(
+        kube.kubectl("get", "events", "-n", ns, "--field-selector", "involvedObject.name=ranker", "-o", "yaml").stdout
+    )["items"]
+    assert any(e["reason"] == "Aborted" and out["by"] in e["message"] for e in events)
+
+    rolled = plugin.run("status", "ranker").stdout
+    assert "RolledBack" in rolled and out["by"] in rolled
+    report = os.environ.get("BATCHPILOT_PLUGIN_REPORT")
+    if report:
+        Path(report).write_text(rolled)
+    sys.stderr.write("\n[kubectl batchpilot status, rolled back]\n" + rolled)
+    h = plugin.json("history", "ranker")
+    assert [r["outcome"] for r in h["revisions"]] == ["Promoted", "Aborted"]
+    assert [f["revision"] for f in h["failedRevisions"]] == [rev]
+
+    # retry -> the same revision canaries again; promote -> stable
+    out = plugin.json("retry", "ranker", "--wait", "60")
+    again = wait_status(kube, ns, lambda s: s.get("canaryRevision") == rev, "the retried canary", operator)
+    assert again["phase"] in ("Progressing",)
+    out = plugin.json("promote", "ranker", "--wait", "60")
+    done = wait_status(kube, ns, lambda s: s.get("stableRevision") == rev, "promoted", operator)
+    assert done["history"][-1]["outcome"] == "Promoted" and out["by"] in done["history"][-1]["evidence"]
+
+
+def test_errors_are_one_line(kube: Kube, namespace: str) -> None:
+    result = Plugin(kube, namespace).run("status", "nope", check=False)
+    assert result.returncode == 1
+    assert f'batchingpolicy "nope" not found in namespace "{namespace}"' in " ".join(result.stderr.split())
+
+
+@pytest.mark.parametrize("case", sorted(p.stem for p in (Path(__file__).parent / "fixtures" / "status").glob("*.json")))
+def test_views_render_every_captured_status(case: str) -> None:
+    from rich.console import Console
+
+    from batchpilot_operator.oncall import render
+
+    obj = json.loads((Path(__file__).parent / "fixtures" / "status" / f"{case}.json").read_text())["object"]
+    summary = render.summary(obj)
+    assert json.loads(json.dumps(summary)) == summary
+    assert summary["phase"] == obj["status"]["phase"] and summary["upToDate"] is True
+    console = Console(width=120, record=True)
+    console.print(render.status_view(summary))
+    console.print(render.history_view(render.history(obj)))
+    text = console.export_text()
+    assert obj["status"]["phase"] in text and obj["status"]["desiredRevision"] in text
+
+
+def test_plugin_help_lists_the_commands() -> None:
+    exe = shutil.which("kubectl-batchpilot", path=str(Path(sys.executable).parent))
+    assert exe is not None
+    out = subprocess.run([exe, "--help"], capture_output=True, text=True, check=True, timeout=30).stdout
+    for verb in ("status", "history", "promote", "abort", "pause", "resume", "retry"):
+        assert verb in out
+
+
+# --------------------------------------------------------------------------- a real automatic rollback
+
+TINY: dict[str, Any] = {
+    "apiVersion": "batchpilot.dev/v1alpha1",
+    "kind": "BatchingPolicy",
+    "metadata": {"name": "shop"},
+    "spec": {
+        "model": {
+            "name": "tiny",
+            "image": "runtime:dev",
+            "source": "builtin:tiny-mlp",
+            "device": "cpu",
+            "dtype": "float32",
+            "threads": 1,
+        },
+        "replicas": 2,
+        "resources": {"gpus": 1},
+        "lanes": [
+            {
+                "name": "interactive",
+                "maxBatchSize": 8,
+                "maxQueueDelay": "2ms",
+                "maxQueueLength": 256,
+                "requestTimeout": "1s",
+            }
+        ],
+        "slo": {"p99Latency": "120ms", "maxQueueAge": "60ms"},
+        "rollout": {
+            "steps": [{"weight": 50, "pause": "6s"}],
+            "analysisInterval": "4s",
+            "failureLimit": 2,
+            "minSamples": 20,
+            "onMetricsUnavailable": {"action": "Hold"},
+        },
+    },
+}
+
+
+@pytest.mark.prometheus
+@pytest.mark.slow
+def test_status_of_an_automatic_rollback_shows_the_breach(
+    kube: Kube, namespace: str, prometheus: Any, tmp_path: Path
+) -> None:
+    """Real runtime processes under trace load, a real Prometheus: a window that breaks the SLO
+    is rolled back by the operator, and `status` shows the breaching p99 against the SLO."""
+    from batchpilot_operator.localdev.harness import RuntimeHarness
+    from batchpilot_operator.localdev.load import TraceReplay
+    from batchpilot_operator.tune.trace import load_trace
+    from bptest import REPO
+
+    trace = load_trace(REPO.parent / "shared" / "traces" / "azure-llm-2023-code.csv")
+    harness = RuntimeHarness(kube.kubeconfig, namespace, tmp_path / "runtime", prometheus.sd_file).start()
+    op = start_operator(kube, namespace, tmp_path, prometheus_url=prometheus.url, resync=1.0)
+    replay = TraceReplay(trace.scaled_arrivals(40.0), lambda: harness.endpoints("shop"), model="tiny").start()
+    plugin = Plugin(kube, namespace)
+
+    def shop() -> dict[str, Any]:
+        return ((kube.get("batchingpolicy", "shop", namespace) or {}).get("status")) or {}
+
+    def wait(pred: Any, timeout: float, what: str) -> dict[str, Any]:
+        def check() -> dict[str, Any] | None:
+            st = shop()
+            return st if pred(st) else None
+
+        try:
+            result: dict[str, Any] = kube.wait_for(check, timeout, what)
+        except AssertionError as exc:
+            raise AssertionError(f"{exc}\nstatus: {json.dumps(shop())[-3000:]}\nlog:\n{op.log()[-3000:]}") from exc
+        return result
+
+    try:
+        kube.apply(TINY, "-n", namespace)
+        wait(lambda s: s.get("phase") == "Healthy", 120, "Healthy")
+        harness.wait_ready("shop", 2)
+        bad = copy.deepcopy(TINY)
+        bad["spec"]["lanes"][0]["maxQueueDelay"] = "110ms"  # admitted (< 120 ms SLO), but breaks it
+        kube.apply(bad, "-n", namespace)
+        wait(lambda s: s.get("phase") == "RolledBack", 180, "automatic rollback")
+        s = plugin.json("status", "shop")
+        (lane,) = s["lanes"]
+        assert lane["outcome"] == "Failed" and lane["p99Latency"] > lane["p99LatencySlo"] == 0.12
+        assert s["why"].startswith(f"revision {s['desiredRevision']} rolled back (AnalysisFailed")
+        table = plugin.run("status", "shop").stdout
+        assert "RolledBack" in table and "Failed" in table
+        report = os.environ.get("BATCHPILOT_PLUGIN_REPORT")
+        if report:
+            Path(report).with_suffix(".auto.txt").write_text(table + "\n" + plugin.run("history", "shop").stdout)
+        sys.stderr.write("\n[kubectl batchpilot status, automatic rollback]\n" + table)
+    finally:
+        replay.stop()
+        op.stop()
+        harness.stop()

@@ -1,0 +1,256 @@
+"""`batchpilot validate` as CI runs it (a real subprocess), and the feasibility bounds (pure)."""
+
+from __future__ import annotations
+
+import copy
+import json
+import re
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+
+from batchpilot_operator.feasibility import check_policy
+from batchpilot_operator.spec import parse_spec
+from batchpilot_operator.tune.profile import LatencyProfile, ProfiledModel, ProfilePoint, load_profile
+from bptest import REPO
+
+EXAMPLES = REPO / "manifests" / "examples"
+MLP_PROFILE = REPO / "manifests" / "profiles" / "mlp-cpu.yaml"
+
+POLICY: dict[str, Any] = {
+    "apiVersion": "batchpilot.dev/v1alpha1",
+    "kind": "BatchingPolicy",
+    "metadata": {"name": "ranker"},
+    "spec": {
+        "model": {"name": "m", "image": "runtime:dev", "source": "builtin:mlp", "device": "cpu", "dtype": "float32"},
+        "replicas": 2,
+        "lanes": [
+            {
+                "name": "interactive",
+                "maxBatchSize": 16,
+                "maxQueueDelay": "5ms",
+                "maxQueueLength": 64,
+                "requestTimeout": "1s",
+            }
+        ],
+        "slo": {"p99Latency": "100ms", "maxQueueAge": "20ms"},
+    },
+}
+
+
+def fake_profile(points: dict[int, float], overhead: float = 0.0, source: str = "builtin:mlp") -> LatencyProfile:
+    """A profile whose every quantile column is the given time (seconds) per batch size."""
+    return LatencyProfile(
+        model=ProfiledModel(name="m", source=source, device="cpu", dtype="float32"),
+        request_overhead=overhead,
+        points=[ProfilePoint(batch_size=b, p50=t, p90=t, p99=t) for b, t in points.items()],
+    )
+
+
+def write_profile(tmp_path: Path, points: dict[int, float], overhead: float = 0.0) -> Path:
+    path = tmp_path / "profile.yaml"
+    path.write_text(fake_profile(points, overhead).to_yaml())
+    return path
+
+
+def validate(*args: str | Path) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-m", "batchpilot_operator.cli", "validate", *map(str, args)],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
+    )
+
+
+def policy_file(tmp_path: Path, *policies: dict[str, Any], name: str = "policy.yaml") -> Path:
+    path = tmp_path / name
+    path.write_text(yaml.safe_dump_all(policies, sort_keys=False))
+    return path
+
+
+def line_of(path: Path, text: str) -> int:
+    return next(i for i, line in enumerate(path.read_text().splitlines(), 1) if text in line)
+
+
+# --------------------------------------------------------------------------- feasibility (pure)
+
+
+def lane(**changes: Any) -> dict[str, Any]:
+    policy = copy.deepcopy(POLICY)
+    policy["spec"]["lanes"][0].update(changes)
+    return policy
+
+
+def test_window_plus_full_batch_over_the_slo_is_an_error() -> None:
+    # 5 ms + 96 ms = 101 ms > 100 ms: an error, naming the window to aim for.
+    spec = parse_spec(lane()["spec"])
+    findings = check_policy(spec, fake_profile({1: 0.010, 16: 0.096}))
+    errors = [f for f in findings if f.severity == "error"]
+    assert [f.check for f in errors] == ["latency"]
+    assert errors[0].lane == "interactive" and errors[0].field == "spec.lanes[0].maxQueueDelay"
+    assert "101ms exceeds the p99 SLO 100ms" in errors[0].message
+    assert "below 4ms" in errors[0].message
+
+
+def test_a_full_batch_too_slow_by_itself_suggests_a_smaller_batch() -> None:
+    # 5 ms + E(16) = 5 + 160 ms; E(b) = 10 ms per row: batches of 9 fit (5 + 90 <= 100)
+    spec = parse_spec(lane()["spec"])
+    findings = check_policy(spec, fake_profile({1: 0.010, 16: 0.160}))
+    (err,) = [f for f in findings if f.severity == "error"]
+    assert "lower maxBatchSize to 9 or less" in err.message
+
+
+def test_request_overhead_counts() -> None:
+    spec = parse_spec(lane()["spec"])
+    assert not [f for f in check_policy(spec, fake_profile({1: 0.01, 16: 0.094})) if f.severity == "error"]
+    with_overhead = check_policy(spec, fake_profile({1: 0.01, 16: 0.094}, overhead=0.002))
+    assert [f.check for f in with_overhead if f.severity == "error"] == ["latency"]
+
+
+def test_contended_bound_is_only_a_warning() -> None:
+    # 5 + 50 = 55 ms fits; 5 + 2*50 = 105 ms (behind a running full batch) does not.
+    spec = parse_spec(lane()["spec"])
+    findings = check_policy(spec, fake_profile({1: 0.01, 16: 0.05}))
+    assert [(f.severity, f.check) for f in findings] == [("warning", "latency-contended")]
+    assert not check_policy(spec, fake_profile({1: 0.01, 16: 0.04}))
+
+
+def test_lane_slo_overrides_policy_slo() -> None:
+    policy = lane(slo={"p99Latency": "30ms", "maxQueueAge": "5ms"})
+    findings = check_policy(parse_spec(policy["spec"]), fake_profile({1: 0.01, 16: 0.03}))
+    err = next(f for f in findings if f.severity == "error")
+    assert "spec.lanes[0].slo.p99Latency" in err.message
+
+
+def test_capacity_below_expected_rate() -> None:
+    # 2 replicas x 16 rows / 40 ms = 800 rows/s.
+    ok = parse_spec(lane(expectedRate=700)["spec"])
+    assert not [f for f in check_policy(ok, fake_profile({1: 0.01, 16: 0.04})) if f.severity == "error"]
+    short = parse_spec(lane(expectedRate=900)["spec"])
+    err = [f for f in check_policy(short, fake_profile({1: 0.01, 16: 0.04})) if f.severity == "error"]
+    assert [f.check for f in err] == ["capacity"]
+    assert "800/s" in err[0].message and err[0].field == "spec.lanes[0].expectedRate"
+
+
+def test_lanes_share_the_executor() -> None:
+    policy = lane(expectedRate=500)
+    second = dict(policy["spec"]["lanes"][0], name="background", expectedRate=500, priority=0)
+    policy["spec"]["lanes"].append(second)
+    # each lane alone fits (500 < 800/s), together they need 125% of the executor
+    findings = check_policy(parse_spec(policy["spec"]), fake_profile({1: 0.01, 16: 0.04}))
+    assert [f.check for f in findings if f.severity == "error"] == ["utilisation"]
+
+
+def test_extrapolated_batch_size_is_flagged() -> None:
+    findings = check_policy(parse_spec(lane(maxBatchSize=64)["spec"]), fake_profile({1: 0.001, 16: 0.004}))
+    assert any(f.check == "profile" and "extrapolated" in f.message for f in findings)
+
+
+# --------------------------------------------------------------------------- the command
+
+
+def test_examples_pass_with_the_mlp_profile() -> None:
+    assert load_profile(MLP_PROFILE).model.source == "builtin:mlp"
+    result = validate(EXAMPLES, "--profile", MLP_PROFILE, "-o", "json")
+    assert result.returncode == 0, result.stdout + result.stderr
+    report = json.loads(result.stdout)
+    assert report["ok"] is True and report["policies"] == 3 and report["errors"] == 0
+    checked = {f["policy"] for f in report["findings"] if f["check"] != "profile"}
+    # the two MLP policies were checked against the profile; the transformer one says it was not
+    unchecked = [f for f in report["findings"] if "no latency profile" in f["message"]]
+    assert [f["policy"] for f in unchecked] == ["search-ranker"]
+    assert checked <= {"chat-embedder", "nightly-scorer"}
+
+
+def test_examples_pass_schema_only() -> None:
+    result = validate(*sorted(EXAMPLES.glob("*.yaml")))
+    assert result.returncode == 0, result.stdout
+    assert re.search(r"OK: 3 policies in \d+ file\(s\), 0 error\(s\), 0 warning\(s\)$", result.stdout.strip())
+
+
+def test_infeasible_policy_fails_with_a_clear_message(tmp_path: Path) -> None:
+    profile = write_profile(tmp_path, {1: 0.010, 16: 0.096})
+    path = policy_file(tmp_path, POLICY)
+    result = validate(path, "--profile", profile)
+    assert result.returncode == 1
+    line = result.stdout.splitlines()[0]
+    # file:line of the field at fault, policy/lane, the arithmetic
+    assert line.startswith(
+        f"{path}:{line_of(path, 'maxQueueDelay:')}: error: ranker/interactive: window 5ms + execution of a full batch of 16"
+    )
+    assert "exceeds the p99 SLO 100ms" in line
+    assert result.stdout.rstrip().endswith("FAILED: 1 policy in 1 file(s), 1 error(s), 0 warning(s)")
+
+
+def test_capacity_error_names_the_expected_rate(tmp_path: Path) -> None:
+    profile = write_profile(tmp_path, {1: 0.01, 16: 0.04})
+    result = validate(policy_file(tmp_path, lane(expectedRate=5000)), "--profile", profile, "-o", "json")
+    assert result.returncode == 1
+    (err,) = [f for f in json.loads(result.stdout)["findings"] if f["severity"] == "error"]
+    assert err["check"] == "capacity" and err["field"] == "spec.lanes[0].expectedRate" and err["lane"] == "interactive"
+
+
+def test_schema_errors_name_the_field(tmp_path: Path) -> None:
+    bad_type = lane(maxBatchSize=0)
+    unknown = lane(maxBatch=8)
+    unknown["metadata"]["name"] = "typo"
+    cel = lane(requestTimeout="1ms")
+    cel["metadata"]["name"] = "short-timeout"
+    other = {"apiVersion": "v1", "kind": "ConfigMap", "metadata": {"name": "x"}}
+    path = policy_file(tmp_path, bad_type, other, unknown, cel)
+    result = validate(path, "-o", "json")
+    assert result.returncode == 1
+    report = json.loads(result.stdout)
+    assert report["policies"] == 3, "the ConfigMap is skipped"
+    by_policy = {f["policy"]: f for f in report["findings"]}
+    assert by_policy["ranker"]["field"] == "spec.lanes[0].maxBatchSize"
+    assert "greater than or equal to 1" in by_policy["ranker"]["message"]
+    assert by_policy["typo"]["field"] == "spec.lanes[0].maxBatch"
+    assert "Extra inputs are not permitted" in by_policy["typo"]["message"]
+    # the same message as the CRD's CEL rule
+    assert by_policy["short-timeout"]["message"].startswith(
+        "spec.lanes[interactive].requestTimeout must be longer than maxQueueDelay"
+    )
+    # lines point into the right document
+    text = path.read_text().splitlines()
+    assert "maxBatchSize: 0" in text[by_policy["ranker"]["line"] - 1]
+    assert "maxBatch: 8" in text[by_policy["typo"]["line"] - 1]
+
+
+def test_github_annotations(tmp_path: Path) -> None:
+    profile = write_profile(tmp_path, {1: 0.010, 16: 0.096})
+    path = policy_file(tmp_path, POLICY)
+    result = validate(path, "--profile", profile, "-o", "github")
+    assert result.returncode == 1
+    first = result.stdout.splitlines()[0]
+    assert first.startswith(
+        f"::error file={path},line={line_of(path, 'maxQueueDelay:')},title=batchpilot validate%3A ranker/interactive::window 5ms"
+    )
+    assert "\n" not in first
+
+
+def test_unreadable_inputs_are_errors(tmp_path: Path) -> None:
+    broken = tmp_path / "broken.yaml"
+    broken.write_text("kind: BatchingPolicy\nspec: [unclosed\n")
+    result = validate(broken, tmp_path / "missing.yaml", "-o", "json")
+    assert result.returncode == 1
+    messages = [f["message"] for f in json.loads(result.stdout)["findings"]]
+    assert any(m.startswith("not valid YAML") for m in messages)
+    assert any(m.startswith("cannot read") for m in messages)
+
+
+@pytest.mark.parametrize("field", ["apiVersion", "metadata"])
+def test_envelope_errors(tmp_path: Path, field: str) -> None:
+    policy = copy.deepcopy(POLICY)
+    if field == "apiVersion":
+        policy["apiVersion"] = "batchpilot.dev/v1"
+    else:
+        policy["metadata"] = {"name": "Not_A_Name"}
+    result = validate(policy_file(tmp_path, policy), "-o", "json")
+    assert result.returncode == 1
+    assert json.loads(result.stdout)["findings"][0]["field"].startswith(field)
