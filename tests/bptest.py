@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import json
+import os
 import subprocess
+import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -150,3 +153,31 @@ def start_operator(
 
     kube.wait_for(up, 60, "the operator's metrics endpoint")
     return op
+
+
+class Plugin:
+    def __init__(self, kube: Kube, namespace: str) -> None:
+        self.kube, self.namespace = kube, namespace
+        scripts = Path(sys.executable).parent
+        assert (scripts / "kubectl-batchpilot").exists(), "pip install -e . installs the kubectl-batchpilot script"
+        self.env = {**os.environ, "PATH": f"{scripts}{os.pathsep}{os.environ.get('PATH', '')}", "COLUMNS": "200"}
+
+    def run(self, *args: str, check: bool = True) -> subprocess.CompletedProcess[str]:
+        # kubectl hands everything after the plugin name to the plugin (flags included).
+        cmd = [
+            self.kube.kubectl_bin,
+            "batchpilot",
+            *args,
+            "-n",
+            self.namespace,
+            "--kubeconfig",
+            str(self.kube.kubeconfig),
+        ]
+        result = subprocess.run(cmd, capture_output=True, text=True, env=self.env, timeout=120, check=False)
+        if check and result.returncode != 0:
+            raise AssertionError(f"kubectl batchpilot {' '.join(args)} exited {result.returncode}:\n{result.stderr}")
+        return result
+
+    def json(self, *args: str) -> dict[str, Any]:
+        data: dict[str, Any] = json.loads(self.run(*args, "-o", "json").stdout)
+        return data

@@ -26,7 +26,7 @@ from batchpilot_operator.localdev.harness import RuntimeHarness
 from batchpilot_operator.localdev.load import TraceReplay
 from batchpilot_operator.localdev.prometheus import PrometheusServer
 from batchpilot_operator.tune.trace import load_trace
-from bptest import REPO, Kube, OperatorProcess, start_operator
+from bptest import REPO, Kube, OperatorProcess, Plugin, start_operator
 
 pytestmark = [pytest.mark.cluster, pytest.mark.prometheus, pytest.mark.slow]
 
@@ -160,6 +160,19 @@ def test_canary_promotes_good_change_and_rolls_back_bad_one(scenario: Scenario) 
         "analysis_interval_seconds": 4,
         "breaching_values": [(e["lane"], e["metric"], e["value"], e["threshold"]) for e in failed],
     }
+    # On-call's view of it: `kubectl batchpilot status` shows the breach against the SLO.
+    plugin = Plugin(s.kube, s.namespace)
+    view = plugin.json("status", "shop")
+    (lane,) = view["lanes"]
+    assert lane["outcome"] == "Failed" and lane["p99Latency"] > lane["p99LatencySlo"] == 0.12
+    assert view["why"].startswith(f"revision {bad} rolled back (AnalysisFailed")
+    table = plugin.run("status", "shop").stdout
+    assert "RolledBack" in table and "Failed" in table
+    sys.stderr.write("\n[kubectl batchpilot status, automatic rollback]\n" + table)
+    if os.environ.get("BATCHPILOT_E2E_REPORT"):
+        Path(os.environ["BATCHPILOT_E2E_REPORT"]).with_suffix(".status.txt").write_text(
+            table + "\n" + plugin.run("history", "shop").stdout
+        )
     # The stable track kept serving: its pods are ready and the canary is gone.
     s.kube.wait_for(lambda: s.kube.get("deployment", "shop-canary", s.namespace) is None, 60, "canary removed")
     assert len(s.harness.endpoints("shop")) >= 1

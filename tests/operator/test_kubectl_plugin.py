@@ -20,7 +20,7 @@ from typing import Any
 import pytest
 import yaml
 
-from bptest import Kube, OperatorProcess, start_operator
+from bptest import Kube, OperatorProcess, Plugin, start_operator
 
 pytestmark = pytest.mark.cluster
 
@@ -64,34 +64,6 @@ def operator(kube: Kube, namespace: str, tmp_path: Path) -> Iterator[OperatorPro
     op = start_operator(kube, namespace, tmp_path, prometheus_url="http://127.0.0.1:9")
     yield op
     op.stop()
-
-
-class Plugin:
-    def __init__(self, kube: Kube, namespace: str) -> None:
-        self.kube, self.namespace = kube, namespace
-        scripts = Path(sys.executable).parent
-        assert (scripts / "kubectl-batchpilot").exists(), "pip install -e . installs the kubectl-batchpilot script"
-        self.env = {**os.environ, "PATH": f"{scripts}{os.pathsep}{os.environ.get('PATH', '')}", "COLUMNS": "200"}
-
-    def run(self, *args: str, check: bool = True) -> subprocess.CompletedProcess[str]:
-        # kubectl hands everything after the plugin name to the plugin (flags included).
-        cmd = [
-            self.kube.kubectl_bin,
-            "batchpilot",
-            *args,
-            "-n",
-            self.namespace,
-            "--kubeconfig",
-            str(self.kube.kubeconfig),
-        ]
-        result = subprocess.run(cmd, capture_output=True, text=True, env=self.env, timeout=120, check=False)
-        if check and result.returncode != 0:
-            raise AssertionError(f"kubectl batchpilot {' '.join(args)} exited {result.returncode}:\n{result.stderr}")
-        return result
-
-    def json(self, *args: str) -> dict[str, Any]:
-        data: dict[str, Any] = json.loads(self.run(*args, "-o", "json").stdout)
-        return data
 
 
 def status(kube: Kube, ns: str) -> dict[str, Any]:
@@ -214,97 +186,3 @@ def test_plugin_help_lists_the_commands() -> None:
     out = subprocess.run([exe, "--help"], capture_output=True, text=True, check=True, timeout=30).stdout
     for verb in ("status", "history", "promote", "abort", "pause", "resume", "retry"):
         assert verb in out
-
-
-# --------------------------------------------------------------------------- a real automatic rollback
-
-TINY: dict[str, Any] = {
-    "apiVersion": "batchpilot.dev/v1alpha1",
-    "kind": "BatchingPolicy",
-    "metadata": {"name": "shop"},
-    "spec": {
-        "model": {
-            "name": "tiny",
-            "image": "runtime:dev",
-            "source": "builtin:tiny-mlp",
-            "device": "cpu",
-            "dtype": "float32",
-            "threads": 1,
-        },
-        "replicas": 2,
-        "resources": {"gpus": 1},
-        "lanes": [
-            {
-                "name": "interactive",
-                "maxBatchSize": 8,
-                "maxQueueDelay": "2ms",
-                "maxQueueLength": 256,
-                "requestTimeout": "1s",
-            }
-        ],
-        "slo": {"p99Latency": "120ms", "maxQueueAge": "60ms"},
-        "rollout": {
-            "steps": [{"weight": 50, "pause": "6s"}],
-            "analysisInterval": "4s",
-            "failureLimit": 2,
-            "minSamples": 20,
-            "onMetricsUnavailable": {"action": "Hold"},
-        },
-    },
-}
-
-
-@pytest.mark.prometheus
-@pytest.mark.slow
-def test_status_of_an_automatic_rollback_shows_the_breach(
-    kube: Kube, namespace: str, prometheus: Any, tmp_path: Path
-) -> None:
-    """Real runtime processes under trace load, a real Prometheus: a window that breaks the SLO
-    is rolled back by the operator, and `status` shows the breaching p99 against the SLO."""
-    from batchpilot_operator.localdev.harness import RuntimeHarness
-    from batchpilot_operator.localdev.load import TraceReplay
-    from batchpilot_operator.tune.trace import load_trace
-    from bptest import REPO
-
-    trace = load_trace(REPO.parent / "shared" / "traces" / "azure-llm-2023-code.csv")
-    harness = RuntimeHarness(kube.kubeconfig, namespace, tmp_path / "runtime", prometheus.sd_file).start()
-    op = start_operator(kube, namespace, tmp_path, prometheus_url=prometheus.url, resync=1.0)
-    replay = TraceReplay(trace.scaled_arrivals(40.0), lambda: harness.endpoints("shop"), model="tiny").start()
-    plugin = Plugin(kube, namespace)
-
-    def shop() -> dict[str, Any]:
-        return ((kube.get("batchingpolicy", "shop", namespace) or {}).get("status")) or {}
-
-    def wait(pred: Any, timeout: float, what: str) -> dict[str, Any]:
-        def check() -> dict[str, Any] | None:
-            st = shop()
-            return st if pred(st) else None
-
-        try:
-            result: dict[str, Any] = kube.wait_for(check, timeout, what)
-        except AssertionError as exc:
-            raise AssertionError(f"{exc}\nstatus: {json.dumps(shop())[-3000:]}\nlog:\n{op.log()[-3000:]}") from exc
-        return result
-
-    try:
-        kube.apply(TINY, "-n", namespace)
-        wait(lambda s: s.get("phase") == "Healthy", 120, "Healthy")
-        harness.wait_ready("shop", 2)
-        bad = copy.deepcopy(TINY)
-        bad["spec"]["lanes"][0]["maxQueueDelay"] = "110ms"  # admitted (< 120 ms SLO), but breaks it
-        kube.apply(bad, "-n", namespace)
-        wait(lambda s: s.get("phase") == "RolledBack", 180, "automatic rollback")
-        s = plugin.json("status", "shop")
-        (lane,) = s["lanes"]
-        assert lane["outcome"] == "Failed" and lane["p99Latency"] > lane["p99LatencySlo"] == 0.12
-        assert s["why"].startswith(f"revision {s['desiredRevision']} rolled back (AnalysisFailed")
-        table = plugin.run("status", "shop").stdout
-        assert "RolledBack" in table and "Failed" in table
-        report = os.environ.get("BATCHPILOT_PLUGIN_REPORT")
-        if report:
-            Path(report).with_suffix(".auto.txt").write_text(table + "\n" + plugin.run("history", "shop").stdout)
-        sys.stderr.write("\n[kubectl batchpilot status, automatic rollback]\n" + table)
-    finally:
-        replay.stop()
-        op.stop()
-        harness.stop()

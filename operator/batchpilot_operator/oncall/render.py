@@ -9,14 +9,14 @@ from __future__ import annotations
 
 import re
 from datetime import datetime
-from typing import Any
+from typing import Any, get_args
 
 from rich.console import Group, RenderableType
 from rich.panel import Panel
 from rich.table import Table
 from rich.text import Text
 
-from batchpilot_operator.status import LedgerEntry, Status
+from batchpilot_operator.status import LedgerEntry, LedgerKind, Status
 
 PHASE_STYLE = {
     "Healthy": "bold green",
@@ -36,21 +36,7 @@ OUTCOME_STYLE = {
     "Inconclusive": "yellow",
     "Superseded": "yellow",
 }
-DECISION_KINDS = {
-    "CanaryStarted",
-    "StepAdvanced",
-    "Promoted",
-    "RolledBack",
-    "Aborted",
-    "Superseded",
-    "Stalled",
-    "MetricsRestored",
-    "Paused",
-    "Resumed",
-    "Command",
-    "Adopted",
-    "Initial",
-}
+DECISION_KINDS = set(get_args(LedgerKind)) - {"Analysis"}
 ROLLOUT_KINDS = {"CanaryStarted", "Promoted", "RolledBack", "Aborted", "Superseded", "Initial", "Adopted", "Command"}
 
 
