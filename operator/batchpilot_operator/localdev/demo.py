@@ -26,12 +26,14 @@ from datetime import datetime
 from pathlib import Path
 from typing import Any
 
+import yaml
 from rich.console import Console
 
 from batchpilot_operator.localdev.cluster import REPO_ROOT, LocalCluster, free_port
 from batchpilot_operator.localdev.harness import RuntimeHarness
 from batchpilot_operator.localdev.load import TraceReplay
 from batchpilot_operator.localdev.prometheus import PrometheusServer
+from batchpilot_operator.spec import parse_spec
 from batchpilot_operator.tune.trace import load_trace
 
 DEMO_DIR = REPO_ROOT / "manifests" / "demo"
@@ -94,11 +96,22 @@ class Demo:
         ).start()
         log = (self.workdir / "operator.log").open("wb")
         self.operator = subprocess.Popen(
-            [sys.executable, "-m", "batchpilot_operator.cli", "run", f"--kubeconfig={self.cluster.kubeconfig}",
-             f"--namespace={NAMESPACE}", f"--prometheus-url={self.prom.url}", f"--metrics-port={free_port()}",
-             "--health-port=0", "--resync=1"],
-            stdout=log, stderr=subprocess.STDOUT, env={**os.environ, "PYTHONUNBUFFERED": "1"},
-        )  # fmt: skip
+            [
+                sys.executable,
+                "-m",
+                "batchpilot_operator.cli",
+                "run",
+                f"--kubeconfig={self.cluster.kubeconfig}",
+                f"--namespace={NAMESPACE}",
+                f"--prometheus-url={self.prom.url}",
+                f"--metrics-port={free_port()}",
+                "--health-port=0",
+                "--resync=1",
+            ],
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            env={**os.environ, "PYTHONUNBUFFERED": "1"},
+        )
         self.say(f"operator running (log: {self.workdir / 'operator.log'})")
 
     def _stop(self) -> None:
@@ -161,7 +174,9 @@ class Demo:
             f"replaying {trace.count} arrivals of {self.trace.name} (burstiness: gap CV {trace.gap_cv():.1f}) "
             f"time-scaled to {self.rate:.0f} req/s, open loop"
         )
-        self.replay = TraceReplay(trace.scaled_arrivals(self.rate), lambda: self.harness.endpoints(POLICY) if self.harness else [], MODEL).start()  # fmt: skip
+        self.replay = TraceReplay(
+            trace.scaled_arrivals(self.rate), lambda: self.harness.endpoints(POLICY) if self.harness else [], MODEL
+        ).start()
         time.sleep(5)  # a few seconds of steady traffic on the stable revision before changing it
 
         label, path = CHANGES[1]
@@ -169,17 +184,32 @@ class Demo:
         self.gitops_apply(path)
         self.timeline.mark("good change applied")
         good = self.wait(
-            lambda s: s.get("stableRevision") not in (None, first["stableRevision"]) and s.get("phase") == "Healthy",
-            420, "the good change to be promoted",
-        )  # fmt: skip
-        self.timeline.mark(f"promoted {good['stableRevision']}")
-        self.say(f"[green]promoted[/] {good['stableRevision']}")
+            lambda s: (
+                (s.get("stableRevision") not in (None, first["stableRevision"]) and s.get("phase") == "Healthy")
+                or s.get("phase") == "RolledBack"
+            ),
+            420,
+            "the good change to be promoted",
+        )
+        if good.get("phase") == "RolledBack":
+            # The operator judged what it measured: on a machine too busy for this load even
+            # the good change can breach. Say so and go on; the report shows the evidence.
+            self.timeline.mark("good change rolled back")
+            self.say(f"[yellow]the good change was rolled back on this machine[/]: {good.get('message')}")
+        else:
+            self.timeline.mark(f"promoted {good['stableRevision']}")
+            self.say(f"[green]promoted[/] {good['stableRevision']}")
 
         label, path = CHANGES[2]
         self.say(f"[bold]git push[/] {label} ({path.name})")
         self.gitops_apply(path)
         self.timeline.mark("bad change applied")
-        bad = self.wait(lambda s: s.get("phase") == "RolledBack", 420, "the bad change to be rolled back")
+        bad_revision = revision_of(path)
+        bad = self.wait(
+            lambda s: s.get("phase") == "RolledBack" and s.get("desiredRevision") == bad_revision,
+            420,
+            "the bad change to be rolled back",
+        )
         self.timeline.mark("rolled back")
         self.say(f"[red]rolled back[/] {bad.get('desiredRevision')}: {bad.get('message')}")
         time.sleep(5)  # show the stable revision serving on after the rollback
@@ -188,11 +218,28 @@ class Demo:
     def plugin(self, *args: str) -> str:
         assert self.cluster is not None
         result = subprocess.run(
-            [sys.executable, "-m", "batchpilot_operator.kubectl_plugin", *args, POLICY, "-n", NAMESPACE,
-             f"--kubeconfig={self.cluster.kubeconfig}"],
-            capture_output=True, text=True, check=False, env={**os.environ, "COLUMNS": "140"},
-        )  # fmt: skip
+            [
+                sys.executable,
+                "-m",
+                "batchpilot_operator.kubectl_plugin",
+                *args,
+                POLICY,
+                "-n",
+                NAMESPACE,
+                f"--kubeconfig={self.cluster.kubeconfig}",
+            ],
+            capture_output=True,
+            text=True,
+            check=False,
+            env={**os.environ, "COLUMNS": "140"},
+        )
         return result.stdout + result.stderr
+
+
+def revision_of(path: Path) -> str:
+    """The revision the operator will compute for the policy in ``path``."""
+    doc = yaml.safe_load(path.read_text())
+    return parse_spec(doc["spec"]).revision()
 
 
 def progress_line(status: dict[str, Any]) -> str:
@@ -262,11 +309,27 @@ def write_report(demo: Demo, final_status: dict[str, Any], out: Path) -> Path:
             color = {"RolledBack": "red", "Promoted": "green"}.get(entry["kind"], "grey")
             for ax in axes:
                 ax.axvline(t, color=color, lw=0.8, alpha=0.7)
-            axes[0].annotate(entry["kind"], (t, 1.0), xycoords=("data", "axes fraction"), rotation=90,
-                             va="top", ha="right", fontsize=7, color=color)  # fmt: skip
+            axes[0].annotate(
+                entry["kind"],
+                (t, 1.0),
+                xycoords=("data", "axes fraction"),
+                rotation=90,
+                va="top",
+                ha="right",
+                fontsize=7,
+                color=color,
+            )
     for t, label in demo.timeline.marks:
-        axes[1].annotate(label, (t - start, 0.0), xycoords=("data", "axes fraction"), rotation=90,
-                         va="bottom", ha="left", fontsize=7, color="blue")  # fmt: skip
+        axes[1].annotate(
+            label,
+            (t - start, 0.0),
+            xycoords=("data", "axes fraction"),
+            rotation=90,
+            va="bottom",
+            ha="left",
+            fontsize=7,
+            color="blue",
+        )
     axes[1].set_xlabel("seconds since the demo started")
     fig.suptitle(f"batchpilot demo: {POLICY} — p99 per revision, rollout steps, promotion and rollback")
     fig.tight_layout()
