@@ -103,6 +103,26 @@ def largest_batch_within(profile: LatencyProfile, max_batch: int, budget: float)
     return best
 
 
+P99_MIN_SAMPLES = 100
+
+
+def check_rollout(spec: PolicySpec) -> list[Finding]:
+    """Findings about the rollout block that need no latency profile."""
+    findings: list[Finding] = []
+    if spec.rollout.min_samples < P99_MIN_SAMPLES:
+        findings.append(
+            Finding(
+                "warning",
+                f"spec.rollout.minSamples is {spec.rollout.min_samples}: a p99 over fewer than {P99_MIN_SAMPLES} "
+                "requests is the slowest one of the window, so a single slow request can fail an analysis; "
+                f"use at least {P99_MIN_SAMPLES} (or a longer analysisInterval)",
+                field="spec.rollout.minSamples",
+                check="statistics",
+            )
+        )
+    return findings
+
+
 def check_policy(spec: PolicySpec, profile: LatencyProfile) -> list[Finding]:
     """Every feasibility finding of ``spec`` on the model ``profile`` describes."""
     findings: list[Finding] = []

@@ -254,3 +254,14 @@ def test_envelope_errors(tmp_path: Path, field: str) -> None:
     result = validate(policy_file(tmp_path, policy), "-o", "json")
     assert result.returncode == 1
     assert json.loads(result.stdout)["findings"][0]["field"].startswith(field)
+
+
+def test_too_few_samples_for_a_p99_is_a_warning(tmp_path: Path) -> None:
+    policy = copy.deepcopy(POLICY)
+    policy["spec"].setdefault("rollout", {})["minSamples"] = 20
+    path = policy_file(tmp_path, policy)
+    result = validate(path)
+    assert result.returncode == 0, result.stdout
+    assert f"{path}:{line_of(path, 'minSamples:')}: warning: ranker: spec.rollout.minSamples is 20" in result.stdout
+    policy["spec"]["rollout"]["minSamples"] = 100
+    assert "minSamples" not in validate(policy_file(tmp_path, policy)).stdout

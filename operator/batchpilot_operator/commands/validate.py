@@ -25,7 +25,7 @@ from typing import Any, TextIO
 import yaml
 from pydantic import ValidationError
 
-from batchpilot_operator.feasibility import check_policy
+from batchpilot_operator.feasibility import check_policy, check_rollout
 from batchpilot_operator.spec import API_VERSION, KIND, parse_spec
 from batchpilot_operator.tune.profile import LatencyProfile, load_profile
 
@@ -184,6 +184,10 @@ def validate_document(
             text = msg if msg.startswith("spec.") else f"{field}: {msg}"
             problem("error", text, ("spec", *loc), field=field, lane=lane)
         return problems
+    for finding in check_rollout(spec):
+        problem(
+            finding.severity, finding.message, _loc_of_field(finding.field), field=finding.field, check=finding.check
+        )
     profile = profiles.get(spec.model.source)
     if profile is None:
         if profiles:
