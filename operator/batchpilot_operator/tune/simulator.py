@@ -1,0 +1,457 @@
+"""Discrete-event simulation of the runtime's dynamic batcher for one lane.
+
+The model of one replica (one runtime pod, one model executor), mirroring the runtime:
+
+* requests join the lane's FIFO queue on arrival; a request arriving while
+  ``max_queue_length`` requests wait is rejected at once (``dropped``);
+* a batch is *due* when ``max_batch_size`` rows wait, or when the oldest waiting row has
+  waited ``max_queue_delay`` (the window), whichever comes first; it is *dispatched* at
+  ``max(due, executor free)``: while the model runs, the next batch forms, and it goes as
+  soon as the executor frees (at once, if its window already expired);
+* at dispatch the batch takes the oldest waiting rows, at most ``max_batch_size``, all that
+  arrived up to that instant (an arrival at exactly the dispatch instant is included);
+* a row still queued ``request_timeout`` after its arrival leaves the queue unrun
+  (``timeouts``; the runtime answers 504 then); a dispatched row always completes;
+* the batch runs for ``exec_table[size]`` seconds (from the latency profile); every row's
+  latency is ``completion - arrival + request_overhead`` and its queue age is
+  ``dispatch - arrival`` (the runtime's ``batchpilot_queue_age_seconds``; a timed-out row
+  observes its timeout).
+
+This is ``batchpilot_runtime.batcher`` (Scheduler + BatchWorker) for one lane with one row
+per request: ready when ``live_rows >= max_batch_size`` or ``now - head.arrival >=
+max_queue_delay``; admission rejects at ``live_count >= max_queue_length``; the worker cuts
+the next batch the moment the model returns. Not modelled: other lanes sharing the executor
+(priorities), multi-row requests, and CPU contention between HTTP handling and the model
+(``request_overhead`` adds a constant instead).
+
+Replicas sit behind one Service and share the arrivals: each request goes to one replica,
+chosen at random with a fixed seed (``split="random"``, what kube-proxy's iptables mode does
+per connection, and what a client without keep-alive sees per request), or round-robin
+(``split="round-robin"``, IPVS / a gateway). The assignment depends on the request's index
+only, so the same request goes to the same replica at every rate scale (common random
+numbers: comparisons between settings and rates are not blurred by split noise).
+
+Two engines give identical answers where both apply (tests hold them to it):
+:func:`simulate_exact` steps through every arrival with a deque and handles drops and
+timeouts; :func:`_fast_replica` walks batch by batch with binary searches over the sorted
+arrival times (O(batches x log B)), and hands over to the exact engine the moment the run
+would drop or time out a request. :func:`meets_slo` uses the fast engine with early exit:
+it stops as soon as more requests missed a target than the p99 allows.
+
+Quantiles use the nearest-rank definition (p99 = the ceil(0.99 n)-th smallest value), so
+"p99 <= T" is exactly "at most n - ceil(0.99 n) requests exceed T".
+"""
+
+from __future__ import annotations
+
+import bisect
+import math
+import random
+from collections import deque
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Literal
+
+Split = Literal["random", "round-robin"]
+
+
+@dataclass(frozen=True)
+class LaneSettings:
+    """The batching knobs of one lane (the fields of ``spec.lanes[]`` that shape batches)."""
+
+    max_batch_size: int
+    max_queue_delay: float
+    max_queue_length: int = 1_000_000
+    request_timeout: float = math.inf
+
+    def __post_init__(self) -> None:
+        if self.max_batch_size < 1:
+            raise ValueError("max_batch_size must be at least 1")
+        if self.max_queue_delay < 0:
+            raise ValueError("max_queue_delay must not be negative")
+        if self.max_queue_length < 1:
+            raise ValueError("max_queue_length must be at least 1")
+
+
+@dataclass(frozen=True)
+class Targets:
+    """What a run must meet: p99 latency and p99 queue age (seconds), already with margin."""
+
+    latency: float
+    queue_age: float
+    quantile: float = 0.99
+
+
+def allowed_misses(n: int, quantile: float) -> int:
+    """How many of ``n`` values may exceed T while the nearest-rank quantile stays <= T."""
+    return n - math.ceil(quantile * n - 1e-9)
+
+
+def nearest_rank(sorted_values: Sequence[float], quantile: float) -> float:
+    if not sorted_values:
+        return math.nan
+    k = max(0, math.ceil(quantile * len(sorted_values) - 1e-9) - 1)
+    return sorted_values[k]
+
+
+@dataclass
+class SimResult:
+    """Everything one run measured (all replicas together)."""
+
+    requests: int
+    latencies: list[float] = field(default_factory=list)  # served in time (not dropped/timed out)
+    queue_waits: list[float] = field(default_factory=list)  # every dispatched request: dispatch - arrival
+    batch_sizes: list[int] = field(default_factory=list)
+    oldest_ages: list[float] = field(default_factory=list)  # per batch: the oldest row's wait
+    exec_times: list[float] = field(default_factory=list)  # per batch: its execution time
+    dropped: int = 0
+    timeouts: int = 0
+    busy: float = 0.0  # executor-seconds, summed over replicas
+    span: float = 0.0  # first arrival to last completion (or arrival)
+    replicas: int = 1
+
+    @property
+    def failed(self) -> int:
+        return self.dropped + self.timeouts
+
+    def latency_quantile(self, quantile: float = 0.99) -> float:
+        """Quantile over all requests; dropped and timed-out ones count as infinitely late."""
+        values = sorted(self.latencies) + [math.inf] * self.failed
+        return nearest_rank(values, quantile)
+
+    def queue_age_quantile(self, quantile: float = 0.99) -> float:
+        """Quantile of queue wait at dispatch over requests; dropped/timed-out count as infinite."""
+        values = sorted(self.queue_waits)
+        values += [math.inf] * (self.requests - len(values))
+        return nearest_rank(values, quantile)
+
+    @property
+    def mean_batch_size(self) -> float:
+        return sum(self.batch_sizes) / len(self.batch_sizes) if self.batch_sizes else 0.0
+
+    @property
+    def utilization(self) -> float:
+        """Fraction of executor time busy, averaged over replicas, over the run's span."""
+        if self.span <= 0:
+            return 0.0
+        return self.busy / (self.span * self.replicas)
+
+    @property
+    def throughput(self) -> float:
+        """Requests served (in time) per second of span."""
+        return len(self.latencies) / self.span if self.span > 0 else 0.0
+
+    def summary(self, quantile: float = 0.99) -> dict[str, float | int]:
+        lat = sorted(self.latencies)
+        return {
+            "requests": self.requests,
+            "p50_latency_s": nearest_rank(lat, 0.5),
+            "p99_latency_s": self.latency_quantile(quantile),
+            "p99_queue_age_s": self.queue_age_quantile(quantile),
+            "max_queue_age_s": max(self.oldest_ages, default=0.0),
+            "mean_batch_size": self.mean_batch_size,
+            "batches": len(self.batch_sizes),
+            "utilization": self.utilization,
+            "throughput_rps": self.throughput,
+            "dropped": self.dropped,
+            "timeouts": self.timeouts,
+        }
+
+
+def split_arrivals(
+    arrivals: Sequence[float], replicas: int, split: Split = "random", seed: int = 0
+) -> list[list[float]]:
+    """Each request to one replica; the choice depends only on the request's index."""
+    if replicas < 1:
+        raise ValueError("replicas must be at least 1")
+    if replicas == 1:
+        return [list(arrivals)]
+    parts: list[list[float]] = [[] for _ in range(replicas)]
+    if split == "round-robin":
+        for idx, t in enumerate(arrivals):
+            parts[idx % replicas].append(t)
+    else:
+        rng = random.Random(seed)
+        for t in arrivals:
+            parts[rng.randrange(replicas)].append(t)
+    return parts
+
+
+class _NeedsExact(Exception):
+    """The fast engine met a drop or an expiry; the exact engine must take over."""
+
+
+def _check_table(settings: LaneSettings, exec_table: Sequence[float]) -> None:
+    if len(exec_table) <= settings.max_batch_size:
+        raise ValueError(
+            f"exec_table covers batch sizes up to {len(exec_table) - 1}, settings need {settings.max_batch_size}"
+        )
+
+
+def _exact_replica(
+    arr: Sequence[float],
+    s: LaneSettings,
+    ex: Sequence[float],
+    overhead: float,
+    out: SimResult,
+    scale: Sequence[float] | None = None,
+) -> float:
+    """Event-by-event engine for one replica. Returns the replica's last event time."""
+    B, W, L, TO = s.max_batch_size, s.max_queue_delay, s.max_queue_length, s.request_timeout
+    queue: deque[float] = deque()
+    free = -math.inf
+    nxt = 0
+    n = len(arr)
+    last = arr[-1] if n else 0.0
+
+    def expire(now: float) -> None:
+        # FIFO with one timeout: the rows that expire first are at the head.
+        while queue and queue[0] + TO <= now:
+            queue.popleft()
+            out.timeouts += 1
+            out.queue_waits.append(TO)
+
+    while nxt < n or queue:
+        if not queue:
+            queue.append(arr[nxt])
+            nxt += 1
+            continue
+        # When would the head's batch go, given what has arrived so far?
+        due = queue[0] + W
+        if len(queue) >= B:
+            due = min(due, queue[B - 1])
+        t = max(due, free)
+        expiry = queue[0] + TO
+        if nxt < n and arr[nxt] <= t and arr[nxt] < expiry:
+            # An arrival comes first (or at the dispatch instant): admit or reject it.
+            x = arr[nxt]
+            nxt += 1
+            expire(x)
+            if len(queue) >= L:
+                out.dropped += 1
+            else:
+                queue.append(x)
+            continue
+        if expiry <= t:
+            expire(expiry)  # the head's timer fires before its batch could go (pops at least it)
+            continue
+        # Dispatch at t: the oldest rows, at most B.
+        size = min(B, len(queue))
+        members = [queue.popleft() for _ in range(size)]
+        e = ex[size] if scale is None else ex[size] * scale[len(out.batch_sizes) % len(scale)]
+        done = t + e
+        out.batch_sizes.append(size)
+        out.oldest_ages.append(t - members[0])
+        out.exec_times.append(e)
+        out.busy += e
+        for a in members:
+            out.queue_waits.append(t - a)
+            out.latencies.append(done - a + overhead)
+        free = done
+        last = max(last, done)
+    return last
+
+
+def _fast_replica(
+    arr: Sequence[float],
+    s: LaneSettings,
+    ex: Sequence[float],
+    overhead: float,
+    out: SimResult,
+    scale: Sequence[float] | None = None,
+) -> float:
+    """Batch-by-batch engine for one replica; raises _NeedsExact on a drop or an expiry."""
+    B, W, L, TO = s.max_batch_size, s.max_queue_delay, s.max_queue_length, s.request_timeout
+    n = len(arr)
+    i = 0
+    free = -math.inf
+    last = arr[-1] if n else 0.0
+    br = bisect.bisect_right
+    sizes = out.batch_sizes
+    waits = out.queue_waits
+    lats = out.latencies
+    oldest = out.oldest_ages
+    execs = out.exec_times
+    busy = 0.0
+    while i < n:
+        a0 = arr[i]
+        due = a0 + W
+        if i + B - 1 < n:
+            fill = arr[i + B - 1]
+            if fill < due:
+                due = fill
+        t = free if free > due else due
+        if i + L < n and arr[i + L] <= t:
+            raise _NeedsExact  # L rows waited and one more arrived: a drop
+        if a0 + TO <= t:
+            raise _NeedsExact  # the oldest row's timer fired before its batch went
+        hi = i + B if i + B < n else n
+        j = br(arr, t, i, hi)
+        size = j - i
+        e = ex[size] if scale is None else ex[size] * scale[len(sizes) % len(scale)]
+        done = t + e
+        busy += e
+        execs.append(e)
+        sizes.append(size)
+        oldest.append(t - a0)
+        for k in range(i, j):
+            a = arr[k]
+            waits.append(t - a)
+            lats.append(done - a + overhead)
+        free = done
+        i = j
+    out.busy += busy
+    return max(last, free)
+
+
+def simulate(
+    arrivals: Sequence[float],
+    settings: LaneSettings,
+    exec_table: Sequence[float],
+    replicas: int = 1,
+    split: Split = "random",
+    seed: int = 0,
+    request_overhead: float = 0.0,
+    engine: Literal["auto", "exact"] = "auto",
+    exec_scale: Sequence[float] | None = None,
+) -> SimResult:
+    """Run the lane over ``arrivals`` (sorted seconds) and return every measurement.
+
+    ``exec_scale`` (optional) multiplies the k-th batch's execution time of each replica by
+    ``exec_scale[k % len(exec_scale)]``: pre-drawn noise, for studying how a heavier tail of
+    forward times than the profile's moves the prediction (bench/tune_validation.py does).
+    """
+    _check_table(settings, exec_table)
+    result = SimResult(requests=len(arrivals), replicas=replicas)
+    last = arrivals[-1] if arrivals else 0.0
+    for part in split_arrivals(arrivals, replicas, split, seed):
+        if not part:
+            continue
+        if engine == "auto":
+            scratch = SimResult(requests=len(part))
+            try:
+                end = _fast_replica(part, settings, exec_table, request_overhead, scratch, exec_scale)
+            except _NeedsExact:
+                scratch = SimResult(requests=len(part))
+                end = _exact_replica(part, settings, exec_table, request_overhead, scratch, exec_scale)
+        else:
+            scratch = SimResult(requests=len(part))
+            end = _exact_replica(part, settings, exec_table, request_overhead, scratch, exec_scale)
+        result.latencies += scratch.latencies
+        result.queue_waits += scratch.queue_waits
+        result.batch_sizes += scratch.batch_sizes
+        result.oldest_ages += scratch.oldest_ages
+        result.exec_times += scratch.exec_times
+        result.dropped += scratch.dropped
+        result.timeouts += scratch.timeouts
+        result.busy += scratch.busy
+        last = max(last, end)
+    result.span = last - (arrivals[0] if arrivals else 0.0)
+    return result
+
+
+def simulate_exact(
+    arrivals: Sequence[float],
+    settings: LaneSettings,
+    exec_table: Sequence[float],
+    replicas: int = 1,
+    split: Split = "random",
+    seed: int = 0,
+    request_overhead: float = 0.0,
+    exec_scale: Sequence[float] | None = None,
+) -> SimResult:
+    """The event-by-event engine only (the reference the fast engine is tested against)."""
+    return simulate(arrivals, settings, exec_table, replicas, split, seed, request_overhead, "exact", exec_scale)
+
+
+def _fast_misses(
+    arr: Sequence[float],
+    s: LaneSettings,
+    ex: Sequence[float],
+    targets: Targets,
+    overhead: float,
+    budget: int,
+) -> tuple[int, int] | None:
+    """Misses of one replica (latency, queue age), stopping once either passes ``budget``.
+
+    None when the run would drop or time out a request (the caller replays it exactly).
+    """
+    B, W, L, TO = s.max_batch_size, s.max_queue_delay, s.max_queue_length, s.request_timeout
+    t_lat = targets.latency - overhead
+    t_age = targets.queue_age
+    br = bisect.bisect_right
+    bl = bisect.bisect_left
+    m = len(arr)
+    i = 0
+    free = -math.inf
+    lat_miss = 0
+    age_miss = 0
+    while i < m:
+        a0 = arr[i]
+        due = a0 + W
+        if i + B - 1 < m:
+            fill = arr[i + B - 1]
+            if fill < due:
+                due = fill
+        t = free if free > due else due
+        if (i + L < m and arr[i + L] <= t) or a0 + TO <= t:
+            return None
+        hi = i + B if i + B < m else m
+        j = br(arr, t, i, hi)
+        done = t + ex[j - i]
+        if done - a0 > t_lat:  # the oldest row is late; count the late ones exactly
+            lat_miss += bl(arr, done - t_lat, i, j) - i
+            if t - a0 > t_age:
+                age_miss += bl(arr, t - t_age, i, j) - i
+            if lat_miss > budget or age_miss > budget:
+                return lat_miss, age_miss
+        elif t - a0 > t_age:
+            age_miss += bl(arr, t - t_age, i, j) - i
+            if age_miss > budget:
+                return lat_miss, age_miss
+        free = done
+        i = j
+    return lat_miss, age_miss
+
+
+def _exact_misses(
+    arr: Sequence[float], s: LaneSettings, ex: Sequence[float], targets: Targets, overhead: float
+) -> tuple[int, int]:
+    sub = SimResult(requests=len(arr))
+    _exact_replica(arr, s, ex, overhead, sub)
+    lat_miss = sum(1 for x in sub.latencies if x > targets.latency) + sub.failed
+    age_miss = sum(1 for x in sub.queue_waits if x > targets.queue_age) + (len(arr) - len(sub.queue_waits))
+    return lat_miss, age_miss
+
+
+def meets_slo(
+    parts: Sequence[Sequence[float]],
+    settings: LaneSettings,
+    exec_table: Sequence[float],
+    targets: Targets,
+    request_overhead: float = 0.0,
+) -> bool:
+    """Whether p99 latency and p99 queue age stay within ``targets`` (arrivals already split).
+
+    Same verdict as ``simulate(...)`` followed by comparing its quantiles with the targets,
+    but it stops at the first request over budget: the quantile fixes how many requests
+    may miss (:func:`allowed_misses`), and misses only accumulate as the run goes on.
+    Dropped and timed-out requests count as misses of both targets.
+    """
+    _check_table(settings, exec_table)
+    n = sum(len(p) for p in parts)
+    budget = allowed_misses(n, targets.quantile)
+    lat_miss = 0
+    age_miss = 0
+    for arr in parts:
+        if not arr:
+            continue
+        left = budget - max(lat_miss, age_miss)
+        got = _fast_misses(arr, settings, exec_table, targets, request_overhead, left)
+        if got is None:
+            got = _exact_misses(arr, settings, exec_table, targets, request_overhead)
+        lat_miss += got[0]
+        age_miss += got[1]
+        if lat_miss > budget or age_miss > budget:
+            return False
+    return True
