@@ -122,7 +122,12 @@ class RolloutSpec(_Spec):
     steps: list[CanaryStep] = Field(default_factory=_default_steps, min_length=1, max_length=20)
     analysis_interval: Duration = Field(default=30.0, alias="analysisInterval", gt=0)
     failure_limit: int = Field(default=2, alias="failureLimit", ge=1, le=100)
-    min_samples: int = Field(default=100, alias="minSamples", ge=1, description="fewer requests in an analysis window: Inconclusive (a p99 needs 100)")
+    min_samples: int = Field(
+        default=100,
+        alias="minSamples",
+        ge=1,
+        description="fewer requests in an analysis window: Inconclusive (a p99 needs 100)",
+    )
     max_inconclusive: int = Field(
         default=10,
         alias="maxInconclusive",

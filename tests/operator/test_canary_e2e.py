@@ -208,6 +208,14 @@ def test_canary_promotes_good_change_and_rolls_back_bad_one(scenario: Scenario) 
         "promotion after Prometheus returned",
     )
 
+    # Every step of the story is also an Event on the policy, for `kubectl describe`.
+    events = json.loads(
+        s.kube.kubectl(
+            "get", "events", "-n", s.namespace, "--field-selector", "involvedObject.name=shop", "-o", "json"
+        ).stdout
+    )["items"]
+    reasons = {e["reason"] for e in events}
+    assert {"CanaryStarted", "Promoted", "RolledBack", "Stalled", "MetricsRestored"} <= reasons, reasons
     sys.stderr.write(f"\n[e2e] {json.dumps(figures)}\n")
     if os.environ.get("BATCHPILOT_E2E_REPORT"):
         Path(os.environ["BATCHPILOT_E2E_REPORT"]).write_text(json.dumps(figures, indent=2))

@@ -1,0 +1,98 @@
+"""Prometheus metrics of the runtime, in a private registry (names are a contract: see README).
+
+Every series carries ``lane`` and ``revision`` (the revision from the config); track, policy and
+namespace come from Prometheus target labels, never from here.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable, Sequence
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client.core import GaugeMetricFamily, Metric
+from prometheus_client.registry import Collector
+
+# Seconds: 100us .. 10s, dense around the 1-100 ms range where SLOs are set, so that
+# histogram_quantile() interpolates within a narrow bucket at typical p99 targets.
+LATENCY_BUCKETS = (
+    0.0001, 0.0002, 0.0005, 0.001, 0.002, 0.003, 0.005, 0.0075, 0.01, 0.015, 0.02, 0.025, 0.03,
+    0.04, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.5, 0.75, 1.0, 2.0, 5.0, 10.0,
+)  # fmt: skip
+BATCH_BUCKETS = tuple(float(2**i) for i in range(13))  # 1 .. 4096 rows
+
+OUTCOMES = ("ok", "rejected_full", "timed_out", "invalid", "failed", "unavailable")
+UNKNOWN_LANE = "_unknown"
+"""Lane label for requests naming a lane that does not exist (lane names never start with '_')."""
+
+CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
+
+
+class _DepthCollector(Collector):
+    def __init__(self, revision: str, depth: Callable[[], dict[str, int]]) -> None:
+        self._revision = revision
+        self._depth = depth
+
+    def collect(self) -> Iterable[Metric]:
+        g = GaugeMetricFamily("batchpilot_queue_depth", "Rows waiting in the lane queue", labels=["lane", "revision"])
+        for lane, rows in self._depth().items():
+            g.add_metric([lane, self._revision], float(rows))
+        yield g
+
+
+class Metrics:
+    def __init__(
+        self,
+        revision: str,
+        lanes: Sequence[str],
+        model: str,
+        device: str,
+        dtype: str,
+        depth: Callable[[], dict[str, int]],
+    ) -> None:
+        self.registry = CollectorRegistry(auto_describe=True)
+        self.revision = revision
+        labels = ["lane", "revision"]
+        r = self.registry
+        self.latency = Histogram(
+            "batchpilot_request_latency_seconds",
+            "End-to-end time from request arrival to response, for requests admitted to a lane queue",
+            labels, buckets=LATENCY_BUCKETS, registry=r,
+        )  # fmt: skip
+        self.queue_age = Histogram(
+            "batchpilot_queue_age_seconds",
+            "Time a request waited in its lane queue until dispatched into a batch or timed out",
+            labels, buckets=LATENCY_BUCKETS, registry=r,
+        )  # fmt: skip
+        self.exec_time = Histogram(
+            "batchpilot_model_execution_seconds",
+            "Model forward time per batch",
+            labels, buckets=LATENCY_BUCKETS, registry=r,
+        )  # fmt: skip
+        self.batch_rows = Histogram(
+            "batchpilot_batch_size_rows", "Rows per executed batch", labels, buckets=BATCH_BUCKETS, registry=r
+        )
+        self.requests = Counter("batchpilot_requests", "Requests by outcome", [*labels, "outcome"], registry=r)
+        self.info = Gauge(
+            "batchpilot_runtime_info", "Runtime build and placement (always 1)",
+            ["revision", "model", "device", "dtype"], registry=r,
+        )  # fmt: skip
+        self.info.labels(revision, model, device, dtype).set(1)
+        r.register(_DepthCollector(revision, depth))
+        # Pre-bound children: one dict lookup per observation on the hot path.
+        all_lanes = [*lanes, UNKNOWN_LANE]
+        self.lat = {lane: self.latency.labels(lane, revision) for lane in lanes}
+        self.age = {lane: self.queue_age.labels(lane, revision) for lane in lanes}
+        self.exe = {lane: self.exec_time.labels(lane, revision) for lane in lanes}
+        self.rows = {lane: self.batch_rows.labels(lane, revision) for lane in lanes}
+        self.count = {
+            (lane, outcome): self.requests.labels(lane, revision, outcome) for lane in all_lanes for outcome in OUTCOMES
+        }
+
+    def outcome(self, lane: str, outcome: str) -> None:
+        child = self.count.get((lane, outcome))
+        if child is None:
+            child = self.count[(UNKNOWN_LANE, outcome)]
+        child.inc()
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)

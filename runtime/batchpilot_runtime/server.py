@@ -1,0 +1,416 @@
+"""The runtime HTTP server: Open Inference Protocol v2 over aiohttp, one batcher per process.
+
+Run: ``python -m batchpilot_runtime.server --config config.json [--host H] [--port N] [--track T]``.
+
+Lifecycle: the HTTP listener starts first (liveness answers at once), then the model is loaded
+and warmed at each batch size (:func:`batchpilot_runtime.models.warmup_sizes`); only then does
+readiness turn 200. On SIGTERM (or SIGINT) readiness turns 503, new infer requests get 503,
+queued and running batches are flushed (windows no longer wait) and answered, and the process
+exits 0 once every admitted request has its response, or when ``drainTimeout`` passes (then
+the requests still queued get 503 and are not run).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import importlib
+import logging
+import os
+import signal
+import sys
+import time
+from typing import Any
+
+import numpy as np
+from aiohttp import web
+
+from batchpilot_runtime import __version__
+from batchpilot_runtime.batcher import Batch, BatchWorker, Pending, QueueFull, State
+from batchpilot_runtime.config import RuntimeConfig, load_config
+from batchpilot_runtime.metrics import CONTENT_TYPE, UNKNOWN_LANE, Metrics
+from batchpilot_runtime.models import LoadedModel, TensorSpec, warmup_sizes
+from batchpilot_runtime.protocol import (
+    BINARY_HEADER,
+    InvalidRequest,
+    encode_response,
+    error_body,
+    parse_infer,
+)
+
+log = logging.getLogger("batchpilot.runtime")
+
+LANE_HEADER = "X-Batchpilot-Lane"
+JSON = "application/json"
+RETRY_AFTER_S = "1"
+
+# Outcome tuples set on a request's future by the worker side.
+_OK = 0
+_TIMEOUT = 1
+_FAILED = 2
+_SHUTDOWN = 3
+
+
+def _json_response(status: int, message: str, headers: dict[str, str] | None = None) -> web.Response:
+    return web.Response(status=status, body=error_body(message), content_type=JSON, headers=headers)
+
+
+class Runtime:
+    """Server state: config, model, batcher, metrics, lifecycle flags."""
+
+    def __init__(self, cfg: RuntimeConfig, track: str) -> None:
+        self.cfg = cfg
+        self.track = track
+        self.lane_names = [lane.name for lane in cfg.lanes]
+        self.lane_index = {name: i for i, name in enumerate(self.lane_names)}
+        self.default_lane = cfg.default_lane_name
+        self.model: LoadedModel | None = None
+        self.worker: BatchWorker | None = None
+        self.metrics: Metrics | None = None
+        self.ready = False
+        self.draining = False
+        self.load_error: str | None = None
+        self.inflight = 0  # admitted requests without a response yet
+        self.handlers = 0  # infer handlers running
+        self.loop: asyncio.AbstractEventLoop | None = None
+        self.idle = asyncio.Event()
+        self.idle.set()
+
+    # -- startup -----------------------------------------------------------------------------
+    def load(self) -> None:
+        """Load and warm the model (runs in a thread while liveness already answers)."""
+        model = LoadedModel(self.cfg.model)
+        model.warmup(warmup_sizes([lane.max_batch_size for lane in self.cfg.lanes]))
+        self.model = model
+
+    async def start(self) -> None:
+        loop = asyncio.get_running_loop()
+        self.loop = loop
+        try:
+            await loop.run_in_executor(None, self.load)
+        except Exception as exc:
+            self.load_error = f"{type(exc).__name__}: {exc}"
+            log.exception("model load failed")
+            raise
+        assert self.model is not None
+        self.worker = BatchWorker(self.cfg.lanes, self.model.run, self._deliver_threadsafe, self._expire_threadsafe)
+        self.metrics = Metrics(
+            self.cfg.revision,
+            self.lane_names,
+            self.cfg.model.name,
+            self.model.device_name,
+            self.cfg.model.dtype,
+            self.worker.depth_rows,
+        )
+        self.worker.start()
+        self.ready = True
+        log.info(
+            "ready: model %s (%s) on %s/%s, warmed at %s rows, lanes %s, revision %s, track %s",
+            self.cfg.model.name, self.cfg.model.source, self.model.device_name, self.cfg.model.dtype,
+            self.model.warmed, self.lane_names, self.cfg.revision, self.track,
+        )  # fmt: skip
+
+    # -- worker -> loop hand-off ---------------------------------------------------------------
+    def _deliver_threadsafe(
+        self, batch: Batch, output: np.ndarray[Any, Any] | None, error: BaseException | None, exec_s: float
+    ) -> None:
+        m = self.metrics
+        lane = batch.lane.name
+        if m is not None:
+            m.exe[lane].observe(exec_s)
+            m.rows[lane].observe(batch.rows)
+            age = m.age[lane]
+            for r in batch.requests:
+                age.observe(r.dispatched_at - r.arrival)
+        assert self.loop is not None
+        self.loop.call_soon_threadsafe(self._deliver, batch, output, error)
+
+    def _deliver(self, batch: Batch, output: np.ndarray[Any, Any] | None, error: BaseException | None) -> None:
+        if output is None:
+            msg = (
+                f"model execution failed for this request's batch ({batch.rows} rows, "
+                f"{len(batch.requests)} requests, lane {batch.lane.name!r}): "
+                f"{type(error).__name__}: {error}"
+            )
+            for r in batch.requests:
+                if not r.future.done():
+                    r.future.set_result((_FAILED, msg, batch.rows))
+            return
+        offset = 0
+        for r in batch.requests:
+            n = r.rows
+            if not r.future.done():
+                r.future.set_result((_OK, output[offset : offset + n], batch.rows))
+            offset += n
+
+    def _expire_threadsafe(self, requests: list[Pending]) -> None:
+        assert self.loop is not None
+        self.loop.call_soon_threadsafe(self._expired, requests)
+
+    def _expired(self, requests: list[Pending]) -> None:
+        for r in requests:
+            self._answer_timeout(r)
+
+    def _answer_timeout(self, r: Pending) -> None:
+        if self.metrics is not None:
+            self.metrics.age[self.lane_names[r.lane]].observe(time.perf_counter() - r.arrival)
+        if not r.future.done():
+            lane = self.cfg.lanes[r.lane]
+            r.future.set_result(
+                (_TIMEOUT, f"request waited longer than lane {lane.name!r} requestTimeout "
+                 f"({lane.request_timeout:g}s) before dispatch; it was not run", 0)
+            )  # fmt: skip
+
+    def _on_timer(self, r: Pending) -> None:
+        assert self.worker is not None
+        if self.worker.withdraw(r, State.TIMED_OUT):
+            self._answer_timeout(r)
+
+    # -- handlers ------------------------------------------------------------------------------
+    async def live(self, request: web.Request) -> web.Response:
+        return web.Response(body=b'{"live":true}', content_type=JSON)
+
+    async def health_ready(self, request: web.Request) -> web.Response:
+        if self.ready and not self.draining:
+            return web.Response(body=b'{"ready":true}', content_type=JSON)
+        reason = "draining" if self.draining else (self.load_error or "loading model")
+        return _json_response(503, f"not ready: {reason}")
+
+    def _check_model(self, request: web.Request) -> web.Response | None:
+        name = request.match_info["name"]
+        if name != self.cfg.model.name:
+            return _json_response(404, f"unknown model {name!r}; this server serves {self.cfg.model.name!r}")
+        return None
+
+    async def model_meta(self, request: web.Request) -> web.Response:
+        bad = self._check_model(request)
+        if bad is not None:
+            return bad
+        if self.model is None:
+            return _json_response(503, "model is loading")
+        doc = {
+            "name": self.cfg.model.name,
+            "versions": [self.cfg.revision],
+            "platform": "pytorch",
+            "inputs": [self.model.input.as_json()],
+            "outputs": [self.model.output.as_json()],
+            "parameters": {
+                "source": self.cfg.model.source,
+                "device": self.model.device_name,
+                "dtype": self.cfg.model.dtype,
+                "revision": self.cfg.revision,
+                "track": self.track,
+                "policy": self.cfg.policy,
+                "default_lane": self.default_lane,
+                "lanes": [lane.model_dump(mode="json", by_alias=True) for lane in self.cfg.lanes],
+                "runtime_version": __version__,
+            },
+        }
+        import orjson
+
+        return web.Response(body=orjson.dumps(doc), content_type=JSON)
+
+    async def model_ready(self, request: web.Request) -> web.Response:
+        bad = self._check_model(request)
+        if bad is not None:
+            return bad
+        return await self.health_ready(request)
+
+    async def metrics_handler(self, request: web.Request) -> web.Response:
+        body = self.metrics.render() if self.metrics is not None else b""
+        return web.Response(body=body, headers={"Content-Type": CONTENT_TYPE})
+
+    async def infer(self, request: web.Request) -> web.Response:
+        arrival = time.perf_counter()
+        self.handlers += 1
+        self.idle.clear()
+        try:
+            return await self._infer(request, arrival)
+        finally:
+            self.handlers -= 1
+            if self.handlers == 0 and self.inflight == 0:
+                self.idle.set()
+
+    async def _infer(self, request: web.Request, arrival: float) -> web.Response:
+        header_lane = request.headers.get(LANE_HEADER)
+        m = self.metrics
+        bad = self._check_model(request)
+        if bad is not None:
+            if m is not None:
+                m.outcome(UNKNOWN_LANE, "invalid")
+            return bad
+        if self.draining or not self.ready or m is None or self.model is None or self.worker is None:
+            if m is not None:
+                m.outcome(header_lane or self.default_lane, "unavailable")
+            why = "server is shutting down" if self.draining else "model is not ready yet"
+            return _json_response(503, why, {"Retry-After": RETRY_AFTER_S})
+        body = await request.read()
+        json_len_text = request.headers.get(BINARY_HEADER)
+        spec: TensorSpec = self.model.input
+        try:
+            json_len = int(json_len_text) if json_len_text is not None else None
+            parsed = parse_infer(body, spec, json_len)
+        except (InvalidRequest, ValueError) as exc:
+            m.outcome(header_lane or self.default_lane, "invalid")
+            return _json_response(400, str(exc))
+        lane_name = header_lane or parsed.lane or self.default_lane
+        idx = self.lane_index.get(lane_name)
+        if idx is None:
+            m.outcome(UNKNOWN_LANE, "invalid")
+            return _json_response(400, f"unknown lane {lane_name!r}; lanes are {self.lane_names}")
+        lane_cfg = self.cfg.lanes[idx]
+        rows = parsed.data.shape[0]
+        if rows > lane_cfg.max_batch_size:
+            m.outcome(lane_name, "invalid")
+            return _json_response(
+                400,
+                f"request has {rows} rows, more than lane {lane_name!r} maxBatchSize "
+                f"{lane_cfg.max_batch_size}; split it into smaller requests",
+            )
+        loop = asyncio.get_running_loop()
+        fut: asyncio.Future[tuple[int, Any, int]] = loop.create_future()
+        req = Pending(parsed.data, idx, arrival, fut)
+        try:
+            self.worker.submit(req)
+        except QueueFull as exc:
+            m.outcome(lane_name, "rejected_full")
+            return _json_response(429, str(exc), {"Retry-After": RETRY_AFTER_S})
+        self.inflight += 1
+        remaining = lane_cfg.request_timeout - (time.perf_counter() - arrival)
+        req.timer = loop.call_later(max(remaining, 0.0), self._on_timer, req)
+        try:
+            kind, payload, batch_rows = await fut
+        except asyncio.CancelledError:
+            self.worker.withdraw(req, State.CANCELLED)  # a handler cancelled mid-wait is never run
+            raise
+        finally:
+            req.timer.cancel()
+            self.inflight -= 1
+        latency = m.lat[lane_name]
+        if kind == _OK:
+            params = {"lane": lane_name, "batch_rows": batch_rows}
+            body_out, headers = encode_response(
+                self.cfg.model.name, self.cfg.revision, parsed.id, payload, params, parsed.binary_output
+            )
+            resp = web.Response(body=body_out, content_type=JSON, headers=headers)
+            m.outcome(lane_name, "ok")
+        elif kind == _TIMEOUT:
+            resp = _json_response(504, payload)
+            m.outcome(lane_name, "timed_out")
+        elif kind == _SHUTDOWN:
+            resp = _json_response(503, payload, {"Retry-After": RETRY_AFTER_S})
+            m.outcome(lane_name, "unavailable")
+        else:
+            resp = _json_response(500, payload)
+            m.outcome(lane_name, "failed")
+        latency.observe(time.perf_counter() - arrival)
+        return resp
+
+    # -- shutdown ------------------------------------------------------------------------------
+    async def drain(self) -> None:
+        """Stop accepting, flush queues, wait for every admitted request's answer (bounded)."""
+        self.draining = True
+        deadline = time.perf_counter() + self.cfg.drain_timeout
+        if self.worker is not None:
+            self.worker.flush()
+        while self.inflight or self.handlers:
+            left = deadline - time.perf_counter()
+            if left <= 0:
+                break
+            self.idle.clear()
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self.idle.wait(), min(left, 0.05))
+        if self.worker is not None:
+            self.worker.stop()
+            # Past the deadline: whatever is still queued is answered 503, never run.
+            with self.worker.lock:
+                leftovers = [p for lane in self.worker.scheduler.lanes for p in lane.queue if p.state is State.QUEUED]
+                for p in leftovers:
+                    self.worker.scheduler.withdraw(p, State.CANCELLED)
+            for p in leftovers:
+                if not p.future.done():
+                    p.future.set_result((_SHUTDOWN, "server shut down before this request was run", 0))
+        # Let the handlers write their responses.
+        if self.handlers:
+            self.idle.clear()
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self.idle.wait(), 2.0)
+
+
+def build_app(rt: Runtime) -> web.Application:
+    app = web.Application(client_max_size=256 * 1024 * 1024)
+    app.router.add_get("/v2/health/live", rt.live)
+    app.router.add_get("/v2/health/ready", rt.health_ready)
+    app.router.add_get("/v2/models/{name}", rt.model_meta)
+    app.router.add_get("/v2/models/{name}/ready", rt.model_ready)
+    app.router.add_post("/v2/models/{name}/infer", rt.infer)
+    app.router.add_get("/metrics", rt.metrics_handler)
+    return app
+
+
+async def serve(cfg: RuntimeConfig, host: str, port: int, track: str) -> int:
+    rt = Runtime(cfg, track)
+    app = build_app(rt)
+    runner = web.AppRunner(app, access_log=None, handle_signals=False)
+    await runner.setup()
+    site = web.TCPSite(runner, host, port, backlog=1024, reuse_address=True)
+    await site.start()
+    log.info("listening on http://%s:%d (loading model %s)", host, port, cfg.model.source)
+    loop = asyncio.get_running_loop()
+    stop = asyncio.Event()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stop.set)
+    loader = asyncio.ensure_future(rt.start())
+    waiter = asyncio.ensure_future(stop.wait())
+    await asyncio.wait({loader, waiter}, return_when=asyncio.FIRST_COMPLETED)
+    code = 0
+    if loader.done() and loader.exception() is not None:
+        code = 1
+        waiter.cancel()
+    else:
+        await waiter
+        log.info("signal received: draining (deadline %.3gs)", cfg.drain_timeout)
+        if not loader.done():
+            loader.cancel()
+            with contextlib.suppress(BaseException):
+                await loader
+        await rt.drain()
+    await runner.cleanup()
+    if rt.worker is not None:
+        rt.worker.join(timeout=5.0)
+    log.info("stopped")
+    return code
+
+
+def _parse_args(argv: list[str] | None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(prog="batchpilot-runtime", description=__doc__.splitlines()[0])
+    p.add_argument("--config", required=True, help="runtime config file (JSON or YAML)")
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--port", type=int, default=None, help="default: the config's port (8000)")
+    p.add_argument("--track", default=None, help="stable|canary (default: $BATCHPILOT_TRACK, else config)")
+    p.add_argument("--log-level", default=os.environ.get("BATCHPILOT_LOG_LEVEL", "INFO"))
+    return p.parse_args(argv)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = _parse_args(argv)
+    logging.basicConfig(
+        level=args.log_level.upper(),
+        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+        stream=sys.stderr,
+    )
+    cfg = load_config(args.config)
+    track = args.track or os.environ.get("BATCHPILOT_TRACK") or cfg.track
+    port = args.port if args.port is not None else cfg.port
+    # The model thread needs the GIL briefly between torch ops; with the default 5 ms switch
+    # interval a busy event loop can hold it that long at every op of every forward pass.
+    sys.setswitchinterval(float(os.environ.get("BATCHPILOT_SWITCH_INTERVAL", "0.0002")))
+    runner: Any = asyncio.run
+    with contextlib.suppress(ImportError):  # optional: a faster event loop when installed
+        runner = importlib.import_module("uvloop").run
+    return int(runner(serve(cfg, args.host, port, track)))
+
+
+if __name__ == "__main__":
+    sys.exit(main())
