@@ -16,7 +16,7 @@ from batchpilot_operator.spec import parse_spec
 from bptest import Kube
 
 REPO = Path(__file__).resolve().parents[2]
-EXAMPLES = sorted((REPO / "manifests" / "examples").glob("*.yaml"))
+EXAMPLES = sorted(p for p in (REPO / "manifests" / "examples").glob("*.yaml") if p.name != "kustomization.yaml")
 
 BASE: dict[str, Any] = {
     "apiVersion": "batchpilot.dev/v1alpha1",
