@@ -25,13 +25,22 @@ an Error outranks Inconclusive because "we could not look" must follow
 ``onMetricsUnavailable`` rather than quietly extend the step.
 
 The stable track is measured over the same window and recorded next to the canary's values
-(ledger ``stableValue``/``stableSamples``) as evidence for on-call; it does not decide. The
-SLO is the contract, and a relative check (canary p99 vs stable p99) flaps on the short,
-thin windows a canary step has; the stable's queries erroring never changes the verdict.
+(ledger ``stableValue``/``stableSamples``) as evidence for on-call. The SLO decides, with one
+exception: a canary breach is not the canary's fault when the stable track, over the same
+window and with enough samples, breaches the same objective at least as badly (canary value
+within :data:`STABLE_TOLERANCE` of the stable's). That is a traffic burst or a sick node hitting
+both tracks; rolling back would not help, so the check is ``Inconclusive`` ("stable breaches
+too"): the step is extended and, after ``maxInconclusive`` in a row, the rollout holds as
+Stalled. This is the false rollback Flagger and Argo Rollouts users hit on bursty traffic (the
+demo's trace has bursts of 15x its mean rate). The stable alone never fails a canary, and a
+plain relative check (canary p99 vs stable p99 while both meet the SLO) is not used: it flaps
+on the short, thin windows a canary step has. The stable's queries erroring never changes the
+verdict.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
@@ -44,6 +53,8 @@ from batchpilot_operator.spec import PolicySpec
 LATENCY_METRIC = "batchpilot_request_latency_seconds"
 QUEUE_AGE_METRIC = "batchpilot_queue_age_seconds"
 QUANTILE = 0.99
+STABLE_TOLERANCE = 0.10
+"""A breaching canary within this fraction of an equally breaching stable is not blamed."""
 
 MetricName = Literal["p99Latency", "queueAge"]
 Track = Literal["stable", "canary"]
@@ -172,10 +183,14 @@ class MetricCheck:
     threshold: float
     outcome: Outcome
     error: str | None = None
+    note: str | None = None
+    """Why the outcome is not the plain SLO comparison (e.g. the stable breaches too)."""
 
     def describe(self) -> str:
         if self.outcome is Outcome.ERROR:
             return f"lane {self.lane} {self.metric}: query error ({self.error})"
+        if self.note:
+            return f"lane {self.lane} {self.metric}: {self.value:.4g}s > {self.threshold:.4g}s but {self.note}"
         value = "no data" if self.value is None else f"{self.value:.4g}s"
         samples = "0" if self.samples is None else f"{self.samples:.0f}"
         op = ">" if self.outcome is Outcome.FAILED else "<="
@@ -269,6 +284,22 @@ def check_metric(
     )
 
 
+def excuse_shared_breach(check: MetricCheck, stable: Sequence[MetricCheck]) -> MetricCheck:
+    """A Failed canary check becomes Inconclusive when the stable breaches as badly (see above)."""
+    if check.outcome is not Outcome.FAILED or check.value is None:
+        return check
+    twin = next((s for s in stable if s.metric == check.metric), None)
+    if twin is None or twin.outcome is not Outcome.FAILED or twin.value is None:
+        return check
+    if check.value > twin.value * (1 + STABLE_TOLERANCE):
+        return check
+    return dataclasses.replace(
+        check,
+        outcome=Outcome.INCONCLUSIVE,
+        note=f"the stable track breaches too ({twin.value:.4g}s, {twin.samples or 0:.0f} samples): not the canary's doing",
+    )
+
+
 def lane_thresholds(spec: PolicySpec, lane: str) -> dict[MetricName, float]:
     slo = spec.lane_slo(lane)
     return {"p99Latency": slo.p99_latency, "queueAge": slo.max_queue_age}
@@ -336,13 +367,14 @@ def verdicts(
         lane_checks = by_lane.get(lane.name)
         if lane_checks is None:
             continue
-        canary = tuple(lane_checks["canary"])
+        stable = tuple(lane_checks["stable"])
+        canary = tuple(excuse_shared_breach(c, stable) for c in lane_checks["canary"])
         result.append(
             LaneVerdict(
                 lane=lane.name,
                 outcome=combine([c.outcome for c in canary]),
                 canary=canary,
-                stable=tuple(lane_checks["stable"]),
+                stable=stable,
             )
         )
     return tuple(result)

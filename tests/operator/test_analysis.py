@@ -257,6 +257,22 @@ def test_stable_track_never_decides() -> None:
     assert _analyse(DictBackend(table)).outcome is Outcome.SUCCESSFUL
 
 
+def test_canary_breaching_like_the_stable_is_inconclusive_not_failed() -> None:
+    # A burst hits both tracks: the canary (0.30s) is within 10% of a stable that breaches too
+    # (0.29s) -> not the canary's doing. Measurably worse than the stable -> Failed as usual.
+    shared = _table(canary__interactive__p99Latency=(0.30, 300.0), stable__interactive__p99Latency=(0.29, 900.0))
+    result = _analyse(DictBackend(shared))
+    assert result.outcome is Outcome.INCONCLUSIVE
+    check = result.lanes[0].check("p99Latency")
+    assert check is not None and check.outcome is Outcome.INCONCLUSIVE
+    assert "stable track breaches too (0.29s" in check.describe()
+    worse = _table(canary__interactive__p99Latency=(0.40, 300.0), stable__interactive__p99Latency=(0.29, 900.0))
+    assert _analyse(DictBackend(worse)).outcome is Outcome.FAILED
+    # A stable with too few samples excuses nothing.
+    thin = _table(canary__interactive__p99Latency=(0.30, 300.0), stable__interactive__p99Latency=(0.35, 10.0))
+    assert _analyse(DictBackend(thin)).outcome is Outcome.FAILED
+
+
 def test_unreachable_backend_is_error() -> None:
     result = _analyse(DictBackend(_table(), fail=True))
     assert result.outcome is Outcome.ERROR

@@ -21,7 +21,6 @@ import subprocess
 import sys
 import time
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass, field
 from datetime import datetime
 from pathlib import Path
 from typing import Any
@@ -46,21 +45,10 @@ POLICY, NAMESPACE, MODEL = "demo-embedder", "demo", "mlp"
 DEFAULT_TRACE = REPO_ROOT.parent / "shared" / "traces" / "azure-llm-2023-code.csv"
 
 
-@dataclass
-class Timeline:
-    """What happened when (wall clock), for the report's markers."""
-
-    start: float = field(default_factory=time.time)
-    marks: list[tuple[float, str]] = field(default_factory=list)
-
-    def mark(self, label: str) -> None:
-        self.marks.append((time.time(), label))
-
-
 class Demo:
     def __init__(self, workdir: Path, rate: float, trace: Path, console: Console) -> None:
         self.workdir, self.rate, self.trace, self.console = workdir, rate, trace, console
-        self.timeline = Timeline()
+        self.started = time.time()
         self.cluster: LocalCluster | None = None
         self.prom: PrometheusServer | None = None
         self.harness: RuntimeHarness | None = None
@@ -166,7 +154,6 @@ class Demo:
         label, path = CHANGES[0]
         self.say(f"[bold]git push[/] {label} ({path.name})")
         self.gitops_apply(path)
-        self.timeline.mark("initial")
         first = self.wait(lambda s: s.get("phase") == "Healthy", 300, "the first revision")
         self.harness.wait_ready(POLICY, 4, timeout=300)
         trace = load_trace(self.trace)
@@ -182,7 +169,6 @@ class Demo:
         label, path = CHANGES[1]
         self.say(f"[bold]git push[/] {label} ({path.name})")
         self.gitops_apply(path)
-        self.timeline.mark("good change applied")
         good = self.wait(
             lambda s: (
                 (s.get("stableRevision") not in (None, first["stableRevision"]) and s.get("phase") == "Healthy")
@@ -194,23 +180,19 @@ class Demo:
         if good.get("phase") == "RolledBack":
             # The operator judged what it measured: on a machine too busy for this load even
             # the good change can breach. Say so and go on; the report shows the evidence.
-            self.timeline.mark("good change rolled back")
             self.say(f"[yellow]the good change was rolled back on this machine[/]: {good.get('message')}")
         else:
-            self.timeline.mark(f"promoted {good['stableRevision']}")
             self.say(f"[green]promoted[/] {good['stableRevision']}")
 
         label, path = CHANGES[2]
         self.say(f"[bold]git push[/] {label} ({path.name})")
         self.gitops_apply(path)
-        self.timeline.mark("bad change applied")
         bad_revision = revision_of(path)
         bad = self.wait(
             lambda s: s.get("phase") == "RolledBack" and s.get("desiredRevision") == bad_revision,
             420,
             "the bad change to be rolled back",
         )
-        self.timeline.mark("rolled back")
         self.say(f"[red]rolled back[/] {bad.get('desiredRevision')}: {bad.get('message')}")
         time.sleep(5)  # show the stable revision serving on after the rollback
         return bad
@@ -277,7 +259,7 @@ def write_report(demo: Demo, final_status: dict[str, Any], out: Path) -> Path:
 
     assert demo.prom is not None
     out.mkdir(parents=True, exist_ok=True)
-    start, end = demo.timeline.start, time.time()
+    start, end = demo.started, time.time()
     sel = f'namespace="{NAMESPACE}",policy="{POLICY}"'
     queries = {
         "p99 latency": f"histogram_quantile(0.99, sum by (le, revision, track) "
@@ -303,33 +285,18 @@ def write_report(demo: Demo, final_status: dict[str, Any], out: Path) -> Path:
         ax.set_yscale("log")
         ax.grid(alpha=0.3)
         ax.legend(loc="upper left", fontsize=8)
+    colors = {"RolledBack": "red", "Promoted": "green", "CanaryStarted": "orange", "StepAdvanced": "grey"}
     for entry in final_status.get("ledger", []):
-        if entry.get("kind") in ("Step", "Promoted", "RolledBack", "Started", "Superseded", "Aborted"):
+        if entry.get("kind") in colors:
             t = datetime.fromisoformat(entry["time"].replace("Z", "+00:00")).timestamp() - start
-            color = {"RolledBack": "red", "Promoted": "green"}.get(entry["kind"], "grey")
+            color = colors[entry["kind"]]
             for ax in axes:
-                ax.axvline(t, color=color, lw=0.8, alpha=0.7)
+                ax.axvline(t, color=color, lw=0.9, alpha=0.7)
+            label = f"{entry['kind']} {entry['revision']}"
             axes[0].annotate(
-                entry["kind"],
-                (t, 1.0),
-                xycoords=("data", "axes fraction"),
-                rotation=90,
-                va="top",
-                ha="right",
-                fontsize=7,
-                color=color,
-            )
-    for t, label in demo.timeline.marks:
-        axes[1].annotate(
-            label,
-            (t - start, 0.0),
-            xycoords=("data", "axes fraction"),
-            rotation=90,
-            va="bottom",
-            ha="left",
-            fontsize=7,
-            color="blue",
-        )
+                label, (t, 0.98), xycoords=("data", "axes fraction"), rotation=90, va="top", ha="right",
+                fontsize=7, color=color,
+            )  # fmt: skip
     axes[1].set_xlabel("seconds since the demo started")
     fig.suptitle(f"batchpilot demo: {POLICY} — p99 per revision, rollout steps, promotion and rollback")
     fig.tight_layout()
