@@ -68,6 +68,35 @@ class Kube:
         raise AssertionError(f"timed out after {timeout}s waiting for {what}; last value: {last!r}")
 
 
+INTERACTIVE_LANE: dict[str, Any] = {
+    "name": "interactive",
+    "maxBatchSize": 8,
+    "maxQueueDelay": "2ms",
+    "maxQueueLength": 64,
+    "requestTimeout": "100ms",
+}
+
+
+def policy(name: str, **spec: Any) -> dict[str, Any]:
+    """A valid BatchingPolicy manifest for tests: the builtin MLP, 2 replicas of 1 GPU, one
+    interactive lane under a 50 ms / 10 ms SLO, one 50% step held for an hour, analysed every
+    second, holding when metrics are missing. Keyword arguments replace whole spec fields."""
+    body: dict[str, Any] = {
+        "model": {"name": "mlp", "image": "runtime:dev", "source": "builtin:mlp"},
+        "replicas": 2,
+        "resources": {"gpus": 1},
+        "lanes": [dict(INTERACTIVE_LANE)],
+        "slo": {"p99Latency": "50ms", "maxQueueAge": "10ms"},
+        "rollout": {
+            "steps": [{"weight": 50, "pause": "1h"}],
+            "analysisInterval": "1s",
+            "onMetricsUnavailable": {"action": "Hold"},
+        },
+    }
+    body.update(spec)
+    return {"apiVersion": "batchpilot.dev/v1alpha1", "kind": "BatchingPolicy", "metadata": {"name": name}, "spec": body}
+
+
 def free_port() -> int:
     import socket
 

@@ -25,33 +25,9 @@ from typing import Any
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE.parent))
 
-from bptest import CRD, Kube, OperatorProcess, start_operator  # noqa: E402
+from bptest import CRD, Kube, OperatorProcess, policy, start_operator  # noqa: E402
 
-POLICY: dict[str, Any] = {
-    "apiVersion": "batchpilot.dev/v1alpha1",
-    "kind": "BatchingPolicy",
-    "metadata": {"name": "embedder"},
-    "spec": {
-        "model": {"name": "mlp", "image": "runtime:dev", "source": "builtin:mlp"},
-        "replicas": 2,
-        "resources": {"gpus": 1},
-        "lanes": [
-            {
-                "name": "interactive",
-                "maxBatchSize": 8,
-                "maxQueueDelay": "2ms",
-                "maxQueueLength": 64,
-                "requestTimeout": "100ms",
-            }
-        ],
-        "slo": {"p99Latency": "50ms", "maxQueueAge": "10ms"},
-        "rollout": {
-            "steps": [{"weight": 50, "pause": "1h"}],
-            "analysisInterval": "1s",
-            "onMetricsUnavailable": {"action": "Hold"},
-        },
-    },
-}
+POLICY: dict[str, Any] = policy("embedder")
 
 EXPECT = {
     "pending": "Progressing",

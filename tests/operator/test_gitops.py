@@ -17,31 +17,13 @@ from typing import Any
 import pytest
 import yaml
 
-from bptest import Kube, OperatorProcess, start_operator
+from bptest import Kube, OperatorProcess, policy, start_operator
 
 pytestmark = pytest.mark.cluster
 
 MANAGER = "argocd-controller"
-POLICY: dict[str, Any] = {
-    "apiVersion": "batchpilot.dev/v1alpha1",
-    "kind": "BatchingPolicy",
-    "metadata": {"name": "gitops", "labels": {"app.kubernetes.io/instance": "search-policies"}},
-    "spec": {
-        "model": {"name": "mlp", "image": "runtime:dev", "source": "builtin:mlp"},
-        "replicas": 2,
-        "lanes": [
-            {
-                "name": "interactive",
-                "maxBatchSize": 8,
-                "maxQueueDelay": "2ms",
-                "maxQueueLength": 64,
-                "requestTimeout": "100ms",
-            }
-        ],
-        "slo": {"p99Latency": "50ms", "maxQueueAge": "10ms"},
-        "rollout": {"steps": [{"weight": 50, "pause": "1h"}], "analysisInterval": "1s"},
-    },
-}
+POLICY: dict[str, Any] = policy("gitops")
+POLICY["metadata"]["labels"] = {"app.kubernetes.io/instance": "search-policies"}
 
 
 @pytest.fixture

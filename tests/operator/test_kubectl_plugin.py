@@ -20,43 +20,29 @@ from typing import Any
 import pytest
 import yaml
 
-from bptest import Kube, OperatorProcess, Plugin, start_operator
+from bptest import INTERACTIVE_LANE, Kube, OperatorProcess, Plugin, policy, start_operator
 
 pytestmark = pytest.mark.cluster
 
-POLICY: dict[str, Any] = {
-    "apiVersion": "batchpilot.dev/v1alpha1",
-    "kind": "BatchingPolicy",
-    "metadata": {"name": "ranker"},
-    "spec": {
-        "model": {"name": "mlp", "image": "runtime:dev", "source": "builtin:mlp"},
-        "replicas": 2,
-        "resources": {"gpus": 1},
-        "lanes": [
-            {
-                "name": "interactive",
-                "maxBatchSize": 8,
-                "maxQueueDelay": "2ms",
-                "maxQueueLength": 64,
-                "requestTimeout": "100ms",
-            },
-            {
-                "name": "background",
-                "maxBatchSize": 64,
-                "maxQueueDelay": "20ms",
-                "maxQueueLength": 1024,
-                "requestTimeout": "5s",
-                "slo": {"p99Latency": "1s", "maxQueueAge": "500ms"},
-            },
-        ],
-        "slo": {"p99Latency": "50ms", "maxQueueAge": "10ms"},
-        "rollout": {
-            "steps": [{"weight": 25, "pause": "1h"}, {"weight": 50, "pause": "1h"}],
-            "analysisInterval": "1s",
-            "onMetricsUnavailable": {"action": "Hold"},
+POLICY: dict[str, Any] = policy(
+    "ranker",
+    lanes=[
+        dict(INTERACTIVE_LANE),
+        {
+            "name": "background",
+            "maxBatchSize": 64,
+            "maxQueueDelay": "20ms",
+            "maxQueueLength": 1024,
+            "requestTimeout": "5s",
+            "slo": {"p99Latency": "1s", "maxQueueAge": "500ms"},
         },
+    ],
+    rollout={
+        "steps": [{"weight": 25, "pause": "1h"}, {"weight": 50, "pause": "1h"}],
+        "analysisInterval": "1s",
+        "onMetricsUnavailable": {"action": "Hold"},
     },
-}
+)
 
 
 @pytest.fixture

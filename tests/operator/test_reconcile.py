@@ -12,32 +12,15 @@ from typing import Any
 
 import pytest
 
-from bptest import Kube, OperatorProcess, start_operator
+from bptest import INTERACTIVE_LANE, Kube, OperatorProcess, policy, start_operator
 
 pytestmark = pytest.mark.cluster
 
-POLICY: dict[str, Any] = {
-    "apiVersion": "batchpilot.dev/v1alpha1",
-    "kind": "BatchingPolicy",
-    "metadata": {"name": "ranker"},
-    "spec": {
-        "model": {"name": "mlp", "image": "runtime:dev", "source": "builtin:mlp"},
-        "replicas": 2,
-        "resources": {"gpus": 1},
-        "lanes": [
-            {
-                "name": "interactive",
-                "maxBatchSize": 8,
-                "maxQueueDelay": "2ms",
-                "maxQueueLength": 64,
-                "requestTimeout": "100ms",
-                "priority": 10,
-            },
-        ],
-        "slo": {"p99Latency": "50ms", "maxQueueAge": "10ms"},
-        "rollout": {"steps": [{"weight": 50, "pause": "1h"}], "analysisInterval": "10s"},
-    },
-}
+POLICY: dict[str, Any] = policy(
+    "ranker",
+    lanes=[{**INTERACTIVE_LANE, "priority": 10}],
+    rollout={"steps": [{"weight": 50, "pause": "1h"}], "analysisInterval": "10s"},
+)
 
 
 @pytest.fixture

@@ -228,7 +228,9 @@ def progress_line(status: dict[str, Any]) -> str:
     if not status:
         return "waiting for the operator"
     parts = [f"phase={status.get('phase', '?')}", f"stable={status.get('stableRevision', '-')}"]
-    if status.get("canaryRevision"):
+    if status.get("canaryRevision") and status.get("canaryRevision") == status.get("stableRevision"):
+        parts.append("promoting: stable rolls to the canary's revision")
+    elif status.get("canaryRevision"):
         step = (status.get("currentStepIndex") or 0) + 1
         parts += [
             f"canary={status['canaryRevision']}",
