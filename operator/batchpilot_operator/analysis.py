@@ -314,31 +314,21 @@ def plan_queries(
     stable_revision: str | None,
 ) -> list[LaneQueries]:
     """Every query one analysis runs: each lane of the canary, and of the stable track."""
-    window = spec.rollout.analysis_interval
-    out: list[LaneQueries] = []
-    for lane in spec.lanes:
-        out.append(
-            build_queries(
-                policy=policy,
-                namespace=namespace,
-                track="canary",
-                revision=canary_revision,
-                lane=lane.name,
-                window=window,
-            )
+    tracks: list[tuple[Track, str]] = [("canary", canary_revision)]
+    if stable_revision is not None:
+        tracks.append(("stable", stable_revision))
+    return [
+        build_queries(
+            policy=policy,
+            namespace=namespace,
+            track=track,
+            revision=revision,
+            lane=lane.name,
+            window=spec.rollout.analysis_interval,
         )
-        if stable_revision is not None:
-            out.append(
-                build_queries(
-                    policy=policy,
-                    namespace=namespace,
-                    track="stable",
-                    revision=stable_revision,
-                    lane=lane.name,
-                    window=window,
-                )
-            )
-    return out
+        for lane in spec.lanes
+        for track, revision in tracks
+    ]
 
 
 def verdicts(

@@ -237,19 +237,23 @@ def status_view(s: dict[str, Any]) -> RenderableType:
         parts.append(t)
 
     if s["decisions"]:
-        t = Table(title="Last decisions (ledger)")
-        for col in ("time", "kind", "revision", "reason", "evidence"):
-            t.add_column(col)
-        for e in s["decisions"]:
-            t.add_row(
-                _t(e["time"]),
-                _styled(e["kind"], OUTCOME_STYLE),
-                e["revision"],
-                e.get("reason") or "",
-                e.get("evidence") or "",
-            )
-        parts.append(t)
+        parts.append(_decisions_table("Last decisions (ledger)", s["decisions"]))
     return Group(*parts)
+
+
+def _decisions_table(title: str, entries: list[dict[str, Any]]) -> Table:
+    table = Table(title=title)
+    for col in ("time", "kind", "revision", "reason", "evidence"):
+        table.add_column(col)
+    for e in entries:
+        table.add_row(
+            _t(e["time"]),
+            _styled(e["kind"], OUTCOME_STYLE),
+            e["revision"],
+            e.get("reason") or "",
+            e.get("evidence") or "",
+        )
+    return table
 
 
 def history_view(h: dict[str, Any]) -> RenderableType:
@@ -276,16 +280,5 @@ def history_view(h: dict[str, Any]) -> RenderableType:
             f.add_row(_t(e["time"]), e["revision"], e["reason"], e.get("evidence", ""))
         parts.append(f)
     if h["decisions"]:
-        d = Table(title="Rollout decisions (ledger)")
-        for col in ("time", "kind", "revision", "reason", "evidence"):
-            d.add_column(col)
-        for e in h["decisions"]:
-            d.add_row(
-                _t(e["time"]),
-                _styled(e["kind"], OUTCOME_STYLE),
-                e["revision"],
-                e.get("reason") or "",
-                e.get("evidence") or "",
-            )
-        parts.append(d)
+        parts.append(_decisions_table("Rollout decisions (ledger)", h["decisions"]))
     return Group(*parts)
