@@ -13,6 +13,8 @@ from typing import Any
 
 import yaml
 
+from batchpilot_operator.localdev import free_port
+
 REPO = Path(__file__).resolve().parents[1]
 CRD = REPO / "crds" / "batchingpolicy.yaml"
 
@@ -95,15 +97,6 @@ def policy(name: str, **spec: Any) -> dict[str, Any]:
     }
     body.update(spec)
     return {"apiVersion": "batchpilot.dev/v1alpha1", "kind": "BatchingPolicy", "metadata": {"name": name}, "spec": body}
-
-
-def free_port() -> int:
-    import socket
-
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port: int = sock.getsockname()[1]
-        return port
 
 
 @dataclass

@@ -110,7 +110,7 @@ class Scenario:
 
 @pytest.fixture
 def scenario(kube: Kube, namespace: str, prometheus: PrometheusServer, tmp_path: Path) -> Iterator[Scenario]:
-    harness = RuntimeHarness(kube.kubeconfig, namespace, tmp_path / "runtime", prometheus.sd_file).start()
+    harness = RuntimeHarness(kube.kubeconfig, namespace, tmp_path / "runtime", prometheus).start()
     op = start_operator(kube, namespace, tmp_path, prometheus_url=prometheus.url, resync=1.0)
     trace = load_trace(TRACE)
     replay = TraceReplay(trace.scaled_arrivals(RATE), lambda: harness.endpoints("shop"), model="tiny").start()

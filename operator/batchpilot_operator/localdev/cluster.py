@@ -17,7 +17,6 @@ import contextlib
 import os
 import shutil
 import signal
-import socket
 import ssl
 import subprocess
 import time
@@ -26,6 +25,8 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from types import TracebackType
+
+from batchpilot_operator.localdev import free_port
 
 REPO_ROOT = Path(__file__).resolve().parents[3]
 DEFAULT_BIN_DIR = REPO_ROOT / ".cache" / "k8s-bin"
@@ -47,13 +48,6 @@ CONTROLLERS = ",".join(
 
 class ClusterError(RuntimeError):
     """The control plane could not be built or started; the message says which part and why."""
-
-
-def free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind(("127.0.0.1", 0))
-        port: int = sock.getsockname()[1]
-        return port
 
 
 def bin_dir() -> Path:

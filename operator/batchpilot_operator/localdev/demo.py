@@ -28,7 +28,8 @@ from typing import Any
 import yaml
 from rich.console import Console
 
-from batchpilot_operator.localdev.cluster import REPO_ROOT, LocalCluster, free_port
+from batchpilot_operator.localdev import free_port
+from batchpilot_operator.localdev.cluster import REPO_ROOT, LocalCluster
 from batchpilot_operator.localdev.harness import RuntimeHarness
 from batchpilot_operator.localdev.load import TraceReplay
 from batchpilot_operator.localdev.prometheus import PrometheusServer
@@ -79,9 +80,7 @@ class Demo:
         self.prom = PrometheusServer(self.workdir / "prometheus", scrape_interval="1s")
         self.prom.start()
         self.say(f"Prometheus up at {self.prom.url}")
-        self.harness = RuntimeHarness(
-            self.cluster.kubeconfig, NAMESPACE, self.workdir / "runtime", self.prom.sd_file
-        ).start()
+        self.harness = RuntimeHarness(self.cluster.kubeconfig, NAMESPACE, self.workdir / "runtime", self.prom).start()
         log = (self.workdir / "operator.log").open("wb")
         self.operator = subprocess.Popen(
             [

@@ -3,7 +3,7 @@
 kwok makes pods Running/Ready without running anything, so on one machine this harness plays
 the container runtime: for every running pod of a batchpilot Deployment in a namespace it
 starts ``python -m batchpilot_runtime.server`` with that pod's revision config (read from the
-ConfigMap the pod mounts) and track, and registers it as a Prometheus target (file_sd)
+ConfigMap the pod mounts) and track, and registers it as a target of the local Prometheus (file_sd)
 labelled like the pod would be by the PodMonitor: ``namespace``, ``policy``, ``revision``,
 ``track``, ``pod``. When a pod goes away its process is drained with SIGTERM.
 
@@ -17,7 +17,6 @@ import contextlib
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import threading
@@ -30,13 +29,8 @@ from typing import Any
 from kubernetes import client, config
 
 from batchpilot_operator.children import CONFIG_KEY, LABEL_POLICY, LABEL_REVISION, LABEL_TRACK
-
-
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port: int = sock.getsockname()[1]
-        return port
+from batchpilot_operator.localdev import free_port
+from batchpilot_operator.localdev.prometheus import PrometheusServer, ScrapeTarget
 
 
 @dataclass
@@ -55,10 +49,10 @@ class RuntimeProcess:
 
 
 class RuntimeHarness:
-    def __init__(self, kubeconfig: Path, namespace: str, workdir: Path, targets_file: Path) -> None:
+    def __init__(self, kubeconfig: Path, namespace: str, workdir: Path, prometheus: PrometheusServer) -> None:
         self.namespace = namespace
         self.workdir = workdir
-        self.targets_file = targets_file
+        self.prometheus = prometheus
         workdir.mkdir(parents=True, exist_ok=True)
         self.core = client.CoreV1Api(config.new_client_from_config(config_file=str(kubeconfig)))  # type: ignore[no-untyped-call]
         self.procs: dict[str, RuntimeProcess] = {}
@@ -131,7 +125,7 @@ class RuntimeHarness:
         cfg = json.loads((cm.data or {})[CONFIG_KEY])
         cfg_path = self.workdir / f"{pod.metadata.name}.json"
         cfg_path.write_text(json.dumps(cfg))
-        port = _free_port()
+        port = free_port()
         track = labels.get(LABEL_TRACK, "stable")
         log = (self.workdir / f"{pod.metadata.name}.log").open("wb")
         env = {**os.environ, "BATCHPILOT_TRACK": track, "PYTHONUNBUFFERED": "1"}
@@ -184,23 +178,22 @@ class RuntimeHarness:
             return False
 
     def _write_targets(self) -> None:
-        groups = [
-            {
-                "targets": [f"127.0.0.1:{p.port}"],
-                "labels": {
-                    "namespace": self.namespace,
-                    "policy": p.policy,
-                    "revision": p.revision,
-                    "track": p.track,
-                    "pod": p.pod,
-                },
-            }
-            for p in self.procs.values()
-            if p.ready
-        ]
-        tmp = self.targets_file.with_suffix(".tmp")
-        tmp.write_text(json.dumps(groups))
-        tmp.replace(self.targets_file)  # atomic: Prometheus never reads half a file
+        self.prometheus.set_targets(
+            [
+                ScrapeTarget(
+                    f"127.0.0.1:{p.port}",
+                    {
+                        "namespace": self.namespace,
+                        "policy": p.policy,
+                        "revision": p.revision,
+                        "track": p.track,
+                        "pod": p.pod,
+                    },
+                )
+                for p in self.procs.values()
+                if p.ready
+            ]
+        )
 
     # ---- for load generators ---------------------------------------------------------------
     def endpoints(self, policy: str) -> list[RuntimeProcess]:

@@ -15,7 +15,6 @@ from __future__ import annotations
 import json
 import os
 import shutil
-import socket
 import subprocess
 import time
 import urllib.error
@@ -26,6 +25,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from batchpilot_operator.localdev import free_port
+
 PROMETHEUS_BIN = shutil.which("prometheus") or "/usr/bin/prometheus"
 
 
@@ -35,13 +36,6 @@ class ScrapeTarget:
 
     address: str
     labels: dict[str, str] = field(default_factory=dict)
-
-
-def free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        port: int = s.getsockname()[1]
-        return port
 
 
 class PrometheusServer:
