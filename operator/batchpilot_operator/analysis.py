@@ -1,21 +1,32 @@
 """Canary analysis: PromQL builders and the verdict logic. Pure (the backend is injected).
 
 Metrics (the runtime contract): histograms ``batchpilot_request_latency_seconds`` and
-``batchpilot_queue_age_seconds`` with labels ``lane`` and ``revision``; Prometheus adds the
-target labels ``namespace``, ``policy`` and ``track`` (the PodMonitor relabels them from pod
-labels; the test harness sets them as static target labels).
+``batchpilot_queue_age_seconds`` and the counter ``batchpilot_requests_total{outcome}``, with
+labels ``lane`` and ``revision``; Prometheus adds the target labels ``namespace``, ``policy``
+and ``track`` (the PodMonitor relabels them from pod labels; the test harness sets them as
+static target labels).
 
 Per lane, track and revision, over a window W equal to the analysis interval::
 
     p99:     histogram_quantile(0.99, sum by (le) (rate(<hist>_bucket{sel}[W])))
     samples: sum(increase(<hist>_count{sel}[W]))
 
+    error rate: (sum(rate(batchpilot_requests_total{sel,outcome=~"<errors>"}[W])) or vector(0))
+                  / sum(rate(batchpilot_requests_total{sel,outcome!="invalid"}[W]))
+    samples:    sum(increase(batchpilot_requests_total{sel,outcome!="invalid"}[W]))
+
+The error outcomes are the server's failures to serve a well-formed request: ``rejected_full``
+(429, queue full), ``timed_out`` (504), ``failed`` (500, the model raised) and ``unavailable``
+(503). ``invalid`` (4xx, the client's fault) counts neither way. Latency and queue age only
+see the requests that were served, so a change that sheds load (a queue bound too small for
+the bursts, a model that fails) would look fast; the error rate is what catches it.
+
 Verdict of one lane (canary track only):
 
 * any metric with fewer samples than ``minSamples`` (or no data / NaN) -> ``Inconclusive``:
   thin traffic never fails a canary by itself;
-* a metric with enough samples whose p99 exceeds its threshold (lane SLO ``p99Latency`` for
-  latency, ``maxQueueAge`` for queue age) -> ``Failed``;
+* a metric with enough samples whose value exceeds its threshold (lane SLO ``p99Latency`` for
+  latency, ``maxQueueAge`` for queue age, ``maxErrorRate`` for the error rate) -> ``Failed``;
 * a query that errored (Prometheus unreachable, bad response) -> ``Error``;
 * otherwise ``Successful``.
 
@@ -52,14 +63,24 @@ from batchpilot_operator.spec import PolicySpec
 
 LATENCY_METRIC = "batchpilot_request_latency_seconds"
 QUEUE_AGE_METRIC = "batchpilot_queue_age_seconds"
+REQUESTS_METRIC = "batchpilot_requests_total"
+ERROR_OUTCOMES = ("rejected_full", "timed_out", "failed", "unavailable")
+"""Outcomes of ``batchpilot_requests_total`` that count as errors (see the module docstring)."""
 QUANTILE = 0.99
 STABLE_TOLERANCE = 0.10
 """A breaching canary within this fraction of an equally breaching stable is not blamed."""
 
-MetricName = Literal["p99Latency", "queueAge"]
+MetricName = Literal["p99Latency", "queueAge", "errorRate"]
 Track = Literal["stable", "canary"]
-METRICS: tuple[MetricName, ...] = ("p99Latency", "queueAge")
+METRICS: tuple[MetricName, ...] = ("p99Latency", "queueAge", "errorRate")
 _HISTOGRAM: dict[MetricName, str] = {"p99Latency": LATENCY_METRIC, "queueAge": QUEUE_AGE_METRIC}
+
+
+def format_value(metric: MetricName, value: float) -> str:
+    """A metric's value for people: seconds for latencies, a percentage for the error rate."""
+    if metric == "errorRate":
+        return f"{value * 100:.3g}%"
+    return f"{value:.4g}s"
 
 
 class Outcome(StrEnum):
@@ -95,9 +116,13 @@ def _escape(value: str) -> str:
     return value.replace("\\", "\\\\").replace('"', '\\"')
 
 
-def selector(*, namespace: str, policy: str, track: str, revision: str, lane: str) -> str:
+def selector(*, namespace: str, policy: str, track: str, revision: str, lane: str, extra: str = "") -> str:
+    """The label matchers of one (policy, track, revision, lane), plus ``extra`` matchers verbatim."""
     labels = {"namespace": namespace, "policy": policy, "track": track, "revision": revision, "lane": lane}
-    return "{" + ",".join(f'{k}="{_escape(v)}"' for k, v in labels.items()) + "}"
+    matchers = [f'{k}="{_escape(v)}"' for k, v in labels.items()]
+    if extra:
+        matchers.append(extra)
+    return "{" + ",".join(matchers) + "}"
 
 
 @dataclass(frozen=True)
@@ -129,17 +154,31 @@ class LaneQueries:
 
 def build_queries(*, policy: str, namespace: str, track: Track, revision: str, lane: str, window: float) -> LaneQueries:
     """All queries of one lane of one track/revision over ``window`` seconds."""
-    sel = selector(namespace=namespace, policy=policy, track=track, revision=revision, lane=lane)
+    labels = {"namespace": namespace, "policy": policy, "track": track, "revision": revision, "lane": lane}
+    sel = selector(**labels)
     w = promql_window(window)
-    metrics = tuple(
+    metrics = [
         MetricQueries(
             metric=name,
-            value=(f"histogram_quantile({QUANTILE}, sum by (le) (rate({_HISTOGRAM[name]}_bucket{sel}[{w}])))"),
-            samples=f"sum(increase({_HISTOGRAM[name]}_count{sel}[{w}]))",
+            value=(f"histogram_quantile({QUANTILE}, sum by (le) (rate({hist}_bucket{sel}[{w}])))"),
+            samples=f"sum(increase({hist}_count{sel}[{w}]))",
         )
-        for name in METRICS
+        for name, hist in _HISTOGRAM.items()
+    ]
+    errors = selector(**labels, extra=f'outcome=~"{"|".join(ERROR_OUTCOMES)}"')
+    served = selector(**labels, extra='outcome!="invalid"')
+    metrics.append(
+        MetricQueries(
+            metric="errorRate",
+            # `or vector(0)`: no error series at all (an exporter that creates outcome series
+            # lazily) is a zero rate, not "no data"; no served series still is no data.
+            value=(
+                f"(sum(rate({REQUESTS_METRIC}{errors}[{w}])) or vector(0)) / sum(rate({REQUESTS_METRIC}{served}[{w}]))"
+            ),
+            samples=f"sum(increase({REQUESTS_METRIC}{served}[{w}]))",
+        )
     )
-    return LaneQueries(track=track, revision=revision, lane=lane, window=w, metrics=metrics)
+    return LaneQueries(track=track, revision=revision, lane=lane, window=w, metrics=tuple(metrics))
 
 
 # --------------------------------------------------------------------------- backend
@@ -189,14 +228,15 @@ class MetricCheck:
     def describe(self) -> str:
         if self.outcome is Outcome.ERROR:
             return f"lane {self.lane} {self.metric}: query error ({self.error})"
+        threshold = format_value(self.metric, self.threshold)
+        value = "no data" if self.value is None else format_value(self.metric, self.value)
         if self.note:
-            return f"lane {self.lane} {self.metric}: {self.value:.4g}s > {self.threshold:.4g}s but {self.note}"
-        value = "no data" if self.value is None else f"{self.value:.4g}s"
+            return f"lane {self.lane} {self.metric}: {value} > {threshold} but {self.note}"
         samples = "0" if self.samples is None else f"{self.samples:.0f}"
         op = ">" if self.outcome is Outcome.FAILED else "<="
         if self.outcome is Outcome.INCONCLUSIVE:
             return f"lane {self.lane} {self.metric}: {value} from {samples} samples (too few)"
-        return f"lane {self.lane} {self.metric}: {value} {op} {self.threshold:.4g}s ({samples} samples)"
+        return f"lane {self.lane} {self.metric}: {value} {op} {threshold} ({samples} samples)"
 
 
 @dataclass(frozen=True)
@@ -296,13 +336,16 @@ def excuse_shared_breach(check: MetricCheck, stable: Sequence[MetricCheck]) -> M
     return dataclasses.replace(
         check,
         outcome=Outcome.INCONCLUSIVE,
-        note=f"the stable track breaches too ({twin.value:.4g}s, {twin.samples or 0:.0f} samples): not the canary's doing",
+        note=(
+            f"the stable track breaches too ({format_value(twin.metric, twin.value)}, {twin.samples or 0:.0f} samples): "
+            "not the canary's doing"
+        ),
     )
 
 
 def lane_thresholds(spec: PolicySpec, lane: str) -> dict[MetricName, float]:
     slo = spec.lane_slo(lane)
-    return {"p99Latency": slo.p99_latency, "queueAge": slo.max_queue_age}
+    return {"p99Latency": slo.p99_latency, "queueAge": slo.max_queue_age, "errorRate": slo.max_error_rate}
 
 
 def plan_queries(

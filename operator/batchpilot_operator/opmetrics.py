@@ -46,6 +46,11 @@ LANE_SLO = Gauge(
     "Each lane's objectives as the policy states them (for alerts: p99 and queue age against SLO)",
     ["namespace", "policy", "lane", "objective"],
 )
+LANE_MAX_ERROR_RATIO = Gauge(
+    "batchpilot_operator_lane_max_error_ratio",
+    "Each lane's largest allowed error rate (429/503/504/500 per well-formed request) as the policy states it",
+    ["namespace", "policy", "lane"],
+)
 STALLED = Gauge(
     "batchpilot_operator_policy_stalled",
     "1 while the policy's Stalled condition is True with this reason",
@@ -68,6 +73,7 @@ def record(namespace: str, policy: str, spec: PolicySpec, decision: Decision) ->
         slo = spec.lane_slo(lane.name)
         LANE_SLO.labels(namespace, policy, lane.name, "p99Latency").set(slo.p99_latency)
         LANE_SLO.labels(namespace, policy, lane.name, "maxQueueAge").set(slo.max_queue_age)
+        LANE_MAX_ERROR_RATIO.labels(namespace, policy, lane.name).set(slo.max_error_rate)
     stalled = status.condition("Stalled")
     reason = stalled.reason if stalled is not None and stalled.status == "True" else None
     for (ns, pol, known), _ in _stalled_series(namespace, policy):
@@ -88,7 +94,7 @@ def _stalled_series(namespace: str, policy: str) -> list[tuple[tuple[str, str, s
 
 def forget(namespace: str, policy: str) -> None:
     """Drop a deleted policy's gauges."""
-    for gauge in (LANE_SLO, STALLED):
+    for gauge in (LANE_SLO, LANE_MAX_ERROR_RATIO, STALLED):
         for metric in gauge.collect():
             for sample in metric.samples:
                 if sample.labels.get("namespace") == namespace and sample.labels.get("policy") == policy:

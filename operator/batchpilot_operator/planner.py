@@ -75,7 +75,7 @@ from dataclasses import dataclass, field
 from datetime import UTC, datetime, timedelta
 from typing import Literal
 
-from batchpilot_operator.analysis import AnalysisResult, MetricCheck, Outcome
+from batchpilot_operator.analysis import AnalysisResult, MetricCheck, Outcome, format_value
 from batchpilot_operator.spec import PolicySpec
 from batchpilot_operator.status import (
     FAILED_REVISIONS_LIMIT,
@@ -543,8 +543,10 @@ class _Planner:
                 )
             lat = lane.check("p99Latency")
             qa = lane.check("queueAge")
+            err = lane.check("errorRate")
             slat = lane.check("p99Latency", "stable")
             sqa = lane.check("queueAge", "stable")
+            serr = lane.check("errorRate", "stable")
             slo = self.spec.lane_slo(lane.lane)
             lanes.append(
                 LaneSummary(
@@ -554,10 +556,14 @@ class _Planner:
                     p99_latency_slo=slo.p99_latency,
                     queue_age=_val(qa),
                     max_queue_age=slo.max_queue_age,
+                    error_rate=_val(err),
+                    max_error_rate=slo.max_error_rate,
                     samples=lat.samples if lat else None,
                     queue_samples=qa.samples if qa else None,
+                    requests=err.samples if err else None,
                     stable_p99_latency=_val(slat),
                     stable_queue_age=_val(sqa),
+                    stable_error_rate=_val(serr),
                     stable_samples=slat.samples if slat else None,
                 )
             )
@@ -597,7 +603,8 @@ class _Planner:
             return ""
         parts = [
             f"{lane.lane}: p99 {_fmt(lane.p99_latency)}/{lane.p99_latency_slo:g}s, "
-            f"queue age {_fmt(lane.queue_age)}/{lane.max_queue_age:g}s, {_count(lane.samples)} samples"
+            f"queue age {_fmt(lane.queue_age)}/{lane.max_queue_age:g}s, "
+            f"errors {_pct(lane.error_rate)}/{_pct(lane.max_error_rate)}, {_count(lane.samples)} samples"
             for lane in la.lanes
         ]
         return f"last analysis {la.outcome}: " + "; ".join(parts)
@@ -881,6 +888,10 @@ def _val(check: MetricCheck | None) -> float | None:
 
 def _fmt(value: float | None) -> str:
     return "n/a" if value is None else f"{value:.4g}s"
+
+
+def _pct(value: float | None) -> str:
+    return "n/a" if value is None else format_value("errorRate", value)
 
 
 def _count(value: float | None) -> str:

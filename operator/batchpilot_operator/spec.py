@@ -36,9 +36,20 @@ class _Spec(BaseModel):
     model_config = ConfigDict(extra="forbid", populate_by_name=True, frozen=True)
 
 
+DEFAULT_MAX_ERROR_RATE = 0.01
+
+
 class SLO(_Spec):
     p99_latency: Duration = Field(alias="p99Latency", gt=0)
     max_queue_age: Duration = Field(alias="maxQueueAge", gt=0)
+    max_error_rate: float = Field(
+        default=DEFAULT_MAX_ERROR_RATE,
+        alias="maxErrorRate",
+        ge=0,
+        le=1,
+        strict=True,  # a number, as the CRD's `type: number`: "0.05" (a string) is rejected by both
+        description="largest fraction of well-formed requests answered 429/503/504/500 over an analysis",
+    )
 
 
 class LaneSpec(_Spec):

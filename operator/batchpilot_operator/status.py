@@ -27,8 +27,9 @@ Wire shape (all keys camelCase; optional keys are omitted when empty)::
     conditions: [{type: Ready|Reconciling|Stalled, status, reason, message,
                   lastTransitionTime, observedGeneration}]
     lastAnalysis: {time, revision, outcome, window, lanes: [{lane, outcome, p99Latency,
-                   p99LatencySlo, queueAge, maxQueueAge, samples, queueSamples,
-                   stableP99Latency, stableQueueAge, stableSamples}]}
+                   p99LatencySlo, queueAge, maxQueueAge, errorRate, maxErrorRate,
+                   samples, queueSamples, requests, stableP99Latency, stableQueueAge,
+                   stableErrorRate, stableSamples}]}
     ledger: [{time, kind, revision, ...}]   (bounded, newest last)
     history: [{revision, outcome, time, reason, evidence}] (bounded, newest last)
 
@@ -167,10 +168,15 @@ class LaneSummary(_Model):
     p99_latency_slo: float = Field(alias="p99LatencySlo")
     queue_age: float | None = Field(default=None, alias="queueAge")
     max_queue_age: float = Field(alias="maxQueueAge")
+    error_rate: float | None = Field(default=None, alias="errorRate")
+    max_error_rate: float | None = Field(default=None, alias="maxErrorRate")  # None: written before v0.2
     samples: float | None = None
     queue_samples: float | None = Field(default=None, alias="queueSamples")
+    requests: float | None = None
+    """Well-formed requests over the window (the error rate's denominator)."""
     stable_p99_latency: float | None = Field(default=None, alias="stableP99Latency")
     stable_queue_age: float | None = Field(default=None, alias="stableQueueAge")
+    stable_error_rate: float | None = Field(default=None, alias="stableErrorRate")
     stable_samples: float | None = Field(default=None, alias="stableSamples")
 
 

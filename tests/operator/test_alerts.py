@@ -104,7 +104,7 @@ def test_dashboard_queries_are_valid_promql(tmp_path: Path) -> None:
 def test_dashboard_shows_what_on_call_needs() -> None:
     d = dashboard()
     titles = " ".join(p["title"] for p in d["panels"]).lower()
-    for needed in ("p99 latency", "queue age", "batch size", "canary weight", "rollout events"):
+    for needed in ("p99 latency", "queue age", "error rate", "batch size", "canary weight", "rollout events"):
         assert needed in titles
     per_revision_lane = [
         t["expr"]

@@ -67,7 +67,15 @@ def test_queries_are_exactly_the_documented_promql() -> None:
         f"histogram_quantile(0.99, sum by (le) (rate(batchpilot_queue_age_seconds_bucket{{{SEL}}}[30s])))"
     )
     assert qa.samples == f"sum(increase(batchpilot_queue_age_seconds_count{{{SEL}}}[30s]))"
-    assert q.all() == [lat.value, lat.samples, qa.value, qa.samples]
+    err = q.metric("errorRate")
+    errors = f'{SEL},outcome=~"rejected_full|timed_out|failed|unavailable"'
+    served = f'{SEL},outcome!="invalid"'
+    assert err.value == (
+        f"(sum(rate(batchpilot_requests_total{{{errors}}}[30s])) or vector(0))"
+        f" / sum(rate(batchpilot_requests_total{{{served}}}[30s]))"
+    )
+    assert err.samples == f"sum(increase(batchpilot_requests_total{{{served}}}[30s]))"
+    assert q.all() == [lat.value, lat.samples, qa.value, qa.samples, err.value, err.samples]
     with pytest.raises(KeyError):
         q.metric("nope")  # type: ignore[arg-type]
 
@@ -183,7 +191,7 @@ class DictBackend:
                 continue
             track = "stable" if 'track="stable"' in query else "canary"
             lane = "background" if 'lane="background"' in query else "interactive"
-            metric = "queueAge" if "queue_age" in query else "p99Latency"
+            metric = "queueAge" if "queue_age" in query else "errorRate" if "requests_total" in query else "p99Latency"
             value, samples = self.table.get((track, lane, metric), (None, None))
             out[query] = Measurement(query, value=samples if query.startswith("sum(increase") else value)
         return out
@@ -195,12 +203,16 @@ def _table(
     base: dict[tuple[str, str, str], tuple[float | None, float | None]] = {
         ("canary", "interactive", "p99Latency"): (0.12, 300.0),
         ("canary", "interactive", "queueAge"): (0.004, 300.0),
+        ("canary", "interactive", "errorRate"): (0.0, 300.0),
         ("canary", "background", "p99Latency"): (1.2, 80.0),
         ("canary", "background", "queueAge"): (0.3, 80.0),
+        ("canary", "background", "errorRate"): (0.005, 80.0),
         ("stable", "interactive", "p99Latency"): (0.1, 900.0),
         ("stable", "interactive", "queueAge"): (0.003, 900.0),
+        ("stable", "interactive", "errorRate"): (0.0, 900.0),
         ("stable", "background", "p99Latency"): (1.0, 240.0),
         ("stable", "background", "queueAge"): (0.2, 240.0),
+        ("stable", "background", "errorRate"): (0.0, 240.0),
     }
     for key, v in over.items():
         track, lane, metric = key.split("__")
@@ -223,7 +235,7 @@ def _analyse(backend: MetricsBackend, spec: PolicySpec | None = None) -> Analysi
 def test_run_analysis_all_lanes_successful_with_stable_evidence() -> None:
     backend = DictBackend(_table())
     result = _analyse(backend)
-    assert len(backend.calls) == 1 and len(backend.calls[0]) == 16  # 2 lanes x 2 tracks x 2 metrics x 2
+    assert len(backend.calls) == 1 and len(backend.calls[0]) == 24  # 2 lanes x 2 tracks x 3 metrics x 2
     assert result.outcome is Outcome.SUCCESSFUL
     assert [lane.lane for lane in result.lanes] == ["interactive", "background"]
     bg = result.lanes[1]
@@ -242,6 +254,28 @@ def test_one_lane_failing_fails_the_analysis_and_evidence_names_it() -> None:
     assert result.outcome is Outcome.FAILED
     assert [lane.outcome for lane in result.lanes] == [Outcome.SUCCESSFUL, Outcome.FAILED]
     assert result.evidence(only=[Outcome.FAILED]) == "lane background queueAge: 0.9s > 0.5s (80 samples)"
+
+
+def test_canary_shedding_load_fails_on_error_rate_while_fast() -> None:
+    # A queue bound too small for the bursts: the requests it serves are fast, 12% get a 429.
+    result = _analyse(DictBackend(_table(canary__interactive__errorRate=(0.12, 300.0))))
+    assert result.outcome is Outcome.FAILED
+    failed = [c for lane in result.lanes for c in lane.canary if c.outcome is Outcome.FAILED]
+    assert [(c.lane, c.metric, c.threshold) for c in failed] == [("interactive", "errorRate", 0.01)]
+    assert result.evidence(only=[Outcome.FAILED]) == "lane interactive errorRate: 12% > 1% (300 samples)"
+    # At the default budget exactly (1%) it passes; a lane SLO can allow more.
+    assert _analyse(DictBackend(_table(canary__interactive__errorRate=(0.01, 300.0)))).outcome is Outcome.SUCCESSFUL
+    lenient = make_spec().model_copy(
+        update={"slo": make_spec().slo.model_copy(update={"max_error_rate": 0.2})}
+    )  # fmt: skip
+    assert _analyse(DictBackend(_table(canary__interactive__errorRate=(0.12, 300.0))), lenient).outcome is (
+        Outcome.SUCCESSFUL
+    )
+    # Both tracks shedding alike (overload, not the change): not the canary's doing.
+    both = _table(canary__interactive__errorRate=(0.12, 300.0), stable__interactive__errorRate=(0.115, 900.0))
+    shared = _analyse(DictBackend(both)).lanes[0].check("errorRate")
+    assert shared is not None and shared.outcome is Outcome.INCONCLUSIVE
+    assert "stable track breaches too (11.5%" in shared.describe()
 
 
 def test_thin_lane_is_inconclusive_even_when_breaching() -> None:

@@ -70,11 +70,14 @@ POLICY: dict[str, Any] = {
 }
 
 
-def with_window(window: str, max_batch_size: int | None = None) -> dict[str, Any]:
+def with_window(window: str, max_batch_size: int | None = None, max_queue_length: int | None = None) -> dict[str, Any]:
     policy = copy.deepcopy(POLICY)
-    policy["spec"]["lanes"][0]["maxQueueDelay"] = window
+    lane = policy["spec"]["lanes"][0]
+    lane["maxQueueDelay"] = window
     if max_batch_size is not None:
-        policy["spec"]["lanes"][0]["maxBatchSize"] = max_batch_size
+        lane["maxBatchSize"] = max_batch_size
+    if max_queue_length is not None:
+        lane["maxQueueLength"] = max_queue_length
     return policy
 
 
@@ -222,6 +225,26 @@ def test_canary_promotes_good_change_and_rolls_back_bad_one(scenario: Scenario) 
         180,
         "promotion after Prometheus returned",
     )
+
+    # (d) a change that sheds load: a one-request queue bound. Whatever it serves is fast (a 5 ms
+    # window, well inside both latency objectives), but in this trace's bursts most arrivals find
+    # the slot taken and get a 429 (in every 4 s window at least ~9% of the canary's requests):
+    # the error rate fails it, not latency.
+    s.apply(with_window("5ms", max_queue_length=1))
+    shedding = s.wait(lambda st: st.get("canaryRevision") not in (None, third_rev), 60, "the shedding canary")
+    shed_rev = shedding["canaryRevision"]
+    shed = s.wait(
+        lambda st: st.get("phase") == "RolledBack" and st.get("stableRevision") == third_rev,
+        180,
+        "rollback on the error rate",
+    )
+    shed_failed = [e for e in shed["ledger"] if e.get("revision") == shed_rev and e.get("outcome") == "Failed"]
+    assert {e["metric"] for e in shed_failed} == {"errorRate"}, shed_failed
+    assert all(e["value"] > e["threshold"] == 0.01 for e in shed_failed)
+    (shed_lane,) = Plugin(s.kube, s.namespace).json("status", "shop")["lanes"]
+    assert shed_lane["outcome"] == "Failed" and shed_lane["errorRate"] > shed_lane["maxErrorRate"] == 0.01
+    assert shed_lane["p99Latency"] < 0.12 and shed_lane["queueAge"] < 0.06
+    figures["shedding_error_rates"] = [round(e["value"], 3) for e in shed_failed]
 
     # Every step of the story is also an Event on the policy, for `kubectl describe`.
     events = json.loads(

@@ -97,6 +97,10 @@ INVALID: list[tuple[str, Callable[[dict[str, Any]], None], str]] = [
     ("metrics-action-unknown", _set("rollout.onMetricsUnavailable", {"action": "Ignore"}), "action"),
     ("slo-zero", _set("slo.p99Latency", "0s"), "p99Latency"),
     ("missing-slo", _set("slo", None), "slo"),
+    ("error-rate-over-one", _set("slo.maxErrorRate", 1.5), "maxErrorRate"),
+    ("error-rate-negative", _set("lanes.1.slo.maxErrorRate", -0.1), "maxErrorRate"),
+    ("error-rate-not-a-number", _set("slo.maxErrorRate", "1%"), "maxErrorRate"),
+    ("error-rate-quoted", _set("slo.maxErrorRate", "0.05"), "maxErrorRate"),
 ]
 
 
@@ -135,8 +139,10 @@ def test_revision_ignores_operator_only_fields() -> None:
     spec = parse_spec(policy_with()["spec"])
     scaled = parse_spec(policy_with(_set("replicas", 7))["spec"])
     relaxed = parse_spec(policy_with(_set("slo.p99Latency", "80ms"))["spec"])
+    error_budget = parse_spec(policy_with(_set("slo.maxErrorRate", 0.05))["spec"])
     rewindowed = parse_spec(policy_with(_set("lanes.0.maxQueueDelay", "3ms"))["spec"])
-    assert spec.revision() == scaled.revision() == relaxed.revision()
+    assert spec.revision() == scaled.revision() == relaxed.revision() == error_budget.revision()
+    assert (spec.slo.max_error_rate, error_budget.slo.max_error_rate) == (0.01, 0.05)  # default 1%
     assert spec.revision() != rewindowed.revision()
     # Equivalent spellings of one duration are one revision.
     respelled = parse_spec(policy_with(_set("lanes.0.maxQueueDelay", "2000us"))["spec"])

@@ -82,6 +82,7 @@ def measured(
     *,
     p99: float = 0.1,
     queue_age: float = 0.01,
+    error_rate: float = 0.0,
     samples: float = 500,
     error: bool = False,
     per_lane: dict[str, dict[str, Any]] | None = None,
@@ -96,12 +97,13 @@ def measured(
         o = (per_lane or {}).get(lq.lane, {})
         lane_p99 = o.get("p99", p99)
         lane_qa = o.get("queue_age", queue_age)
+        lane_err = o.get("error_rate", error_rate)
         lane_samples = o.get("samples", samples)
         lane_error = o.get("error", error)
         if lq.track == "stable":
-            lane_p99, lane_qa, lane_error = 0.05, 0.005, False
+            lane_p99, lane_qa, lane_err, lane_error = 0.05, 0.005, 0.0, False
         for m in lq.metrics:
-            value = lane_p99 if m.metric == "p99Latency" else lane_qa
+            value = {"p99Latency": lane_p99, "queueAge": lane_qa, "errorRate": lane_err}[m.metric]
             if lane_error:
                 ms[m.value] = Measurement(m.value, error="prometheus unreachable")
                 ms[m.samples] = Measurement(m.samples, error="prometheus unreachable")
@@ -460,6 +462,22 @@ def test_queue_age_breach_fails_too() -> None:
     d = sim.tick(at(30), queue_age=0.3)
     assert d.status.phase is Phase.ROLLED_BACK
     assert "queueAge" in d.status.message
+
+
+def test_error_rate_breach_fails_a_fast_canary() -> None:
+    # Latency and queue age well inside the SLO, but 5% of requests answered with an error.
+    sim = healthy(make_spec(failureLimit=2))
+    start_canary(sim, at(0), make_spec(batch=16, failureLimit=2))
+    first = sim.tick(at(30), error_rate=0.05)
+    assert first.status.phase is Phase.PROGRESSING and first.status.rollout is not None
+    assert first.status.rollout.failures == 1
+    lane = first.status.last_analysis.lanes[0] if first.status.last_analysis else None
+    assert lane is not None and (lane.error_rate, lane.max_error_rate, lane.requests) == (0.05, 0.01, 500)
+    d = sim.tick(at(60), error_rate=0.05)
+    assert d.status.phase is Phase.ROLLED_BACK
+    assert "errorRate: 5% > 1%" in d.status.message
+    failed = [e for e in d.status.ledger if e.kind == "Analysis" and e.outcome == "Failed"]
+    assert {e.metric for e in failed} == {"errorRate"} and all(e.value == 0.05 for e in failed)
 
 
 def test_rolled_back_revision_is_not_retried() -> None:
@@ -854,7 +872,7 @@ def test_ledger_and_history_are_bounded() -> None:
         d = sim.tick(at(30 * i), samples=1)
     assert len(d.status.ledger) == LEDGER_LIMIT
     assert d.status.ledger[-1].time == at(30 * 59)
-    assert d.status.ledger[-1].kind == "Analysis" and d.status.ledger[-1].metric == "queueAge"
+    assert d.status.ledger[-1].kind == "Analysis" and d.status.ledger[-1].metric == "errorRate"
 
 
 def test_history_limit_prunes_revision_configmaps() -> None:
@@ -933,7 +951,9 @@ def test_status_round_trip_and_camel_case() -> None:
         assert key in data
     assert data["rollout"]["stepStartedAt"] == "2026-11-30T01:00:00Z"
     assert data["lastAnalysis"]["lanes"][0]["p99LatencySlo"] == 0.2
-    assert data["ledger"][-1]["stableValue"] == 0.005
+    queue_age = next(e for e in reversed(data["ledger"]) if e.get("metric") == "queueAge")
+    assert queue_age["stableValue"] == 0.005
+    assert data["lastAnalysis"]["lanes"][0]["maxErrorRate"] == 0.01
     assert Status.from_dict(data) == d.status
     assert Status.from_dict(None) == Status()
 

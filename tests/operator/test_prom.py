@@ -7,6 +7,8 @@ scrape, so the bucket ratios (and the p99 from ``histogram_quantile``) are exact
   -> p99 = 0.1 + 0.15 * (0.99 - 0.9) / 0.1 = 0.235s
 * queue age, per scrape: 5 obs <= 1ms, 5 in (1ms, 10ms]
   -> p99 = 0.001 + 0.009 * (0.99 - 0.5) / 0.5 = 0.00982s
+* requests, per scrape: 7 ok, 2 rejected_full, 1 invalid (the client's fault: not counted)
+  -> error rate = 2 / 9; an exporter without error series at all gives 0, not "no data"
 """
 
 from __future__ import annotations
@@ -31,13 +33,15 @@ QA_BUCKETS = ((0.001, 5), (0.01, 10))
 PER_SCRAPE = 10
 EXPECTED_P99 = 0.235
 EXPECTED_QA_P99 = 0.00982
+OUTCOMES_PER_SCRAPE = {"ok": 7, "rejected_full": 2, "invalid": 1}
+EXPECTED_ERROR_RATE = 2 / 9
 
 
 class Exporter:
     """Serves /metrics for one revision and lane; counters grow by PER_SCRAPE per scrape."""
 
-    def __init__(self, revision: str, lane: str, scale: float = 1.0) -> None:
-        self.revision, self.lane, self.scale = revision, lane, scale
+    def __init__(self, revision: str, lane: str, scale: float = 1.0, errors: bool = True) -> None:
+        self.revision, self.lane, self.scale, self.errors = revision, lane, scale, errors
         self.scrapes = 0
         self.lock = threading.Lock()
         exporter = self
@@ -75,6 +79,10 @@ class Exporter:
             lines.append(f'{name}_bucket{{{labels},le="+Inf"}} {PER_SCRAPE * n}')
             lines.append(f"{name}_sum{{{labels}}} {0.05 * PER_SCRAPE * n}")
             lines.append(f"{name}_count{{{labels}}} {PER_SCRAPE * n}")
+        lines.append("# TYPE batchpilot_requests_total counter")
+        outcomes = OUTCOMES_PER_SCRAPE if self.errors else {"ok": PER_SCRAPE}
+        for outcome, count in outcomes.items():
+            lines.append(f'batchpilot_requests_total{{{labels},outcome="{outcome}"}} {count * n}')
         return "\n".join(lines) + "\n"
 
     def close(self) -> None:
@@ -86,8 +94,8 @@ class Exporter:
 def exporters() -> Iterator[Callable[..., Exporter]]:
     made: list[Exporter] = []
 
-    def make(revision: str, lane: str = "interactive", scale: float = 1.0) -> Exporter:
-        e = Exporter(revision, lane, scale)
+    def make(revision: str, lane: str = "interactive", scale: float = 1.0, errors: bool = True) -> Exporter:
+        e = Exporter(revision, lane, scale, errors)
         made.append(e)
         return e
 
@@ -128,7 +136,7 @@ def test_backend_measures_p99_and_samples_from_real_prometheus(
     prometheus: PrometheusServer, exporters: Callable[..., Exporter]
 ) -> None:
     canary = exporters("r2")
-    stable = exporters("r1", scale=0.2)  # 5x faster
+    stable = exporters("r1", scale=0.2, errors=False)  # 5x faster, no error series at all
     # targets are added after start: proves the file_sd reload the e2e test relies on
     prometheus.set_targets(
         [ScrapeTarget(canary.address, labels("canary")), ScrapeTarget(stable.address, labels("stable"))]
@@ -146,6 +154,9 @@ def test_backend_measures_p99_and_samples_from_real_prometheus(
     assert got[qa.value].value == pytest.approx(EXPECTED_QA_P99, rel=1e-6)
     assert 80 <= (got[lat.samples].value or 0) <= 150
     assert got[qa.samples].value == got[lat.samples].value
+    err = q.metric("errorRate")
+    assert got[err.value].value == pytest.approx(EXPECTED_ERROR_RATE, rel=1e-6)
+    assert got[err.samples].value == pytest.approx(0.9 * (got[lat.samples].value or 0), rel=1e-6)
 
     # no series for another revision: no data (None), not an error
     other = build_queries(policy="chat", namespace="ml", track="canary", revision="zz", lane="interactive", window=10)
@@ -173,6 +184,10 @@ def test_backend_measures_p99_and_samples_from_real_prometheus(
     assert stable_latency is not None and stable_latency.value == pytest.approx(EXPECTED_P99 * 0.2, rel=1e-6)
     queue_age = lane.check("queueAge")
     assert queue_age is not None and queue_age.outcome is Outcome.SUCCESSFUL
+    errors, stable_errors = lane.check("errorRate"), lane.check("errorRate", "stable")
+    assert errors is not None and errors.outcome is Outcome.FAILED
+    assert errors.value == pytest.approx(EXPECTED_ERROR_RATE, rel=1e-6)
+    assert stable_errors is not None and stable_errors.value == 0.0 and stable_errors.outcome is Outcome.SUCCESSFUL
     backend.close()
 
 

@@ -244,6 +244,9 @@ def progress_line(status: dict[str, Any]) -> str:
             parts.append(f"{lane['lane']}: p99 {p99 * 1e3:.1f}ms/{slo * 1e3:.0f}ms")
         if qa is not None:
             parts.append(f"queue age {qa * 1e3:.1f}ms/{qslo * 1e3:.0f}ms")
+        err, eslo = lane.get("errorRate"), lane.get("maxErrorRate")
+        if err is not None and eslo is not None:
+            parts.append(f"errors {err * 100:.2g}%/{eslo * 100:.2g}%")
         parts.append(f"[{lane.get('outcome', '?')}]")
     stalled = [c for c in status.get("conditions", []) if c.get("type") == "Stalled" and c.get("status") == "True"]
     if stalled:

@@ -8,6 +8,7 @@ rich renderables for the terminal.
 from __future__ import annotations
 
 import re
+from collections.abc import Callable
 from datetime import datetime
 from typing import Any, get_args
 
@@ -16,6 +17,7 @@ from rich.panel import Panel
 from rich.table import Table
 from rich.text import Text
 
+from batchpilot_operator.analysis import format_value
 from batchpilot_operator.status import LedgerEntry, LedgerKind, Status
 
 PHASE_STYLE = {
@@ -102,9 +104,13 @@ def summary(obj: dict[str, Any], decisions: int = 8) -> dict[str, Any]:
                     "p99LatencySlo": lane.p99_latency_slo,
                     "queueAge": lane.queue_age,
                     "maxQueueAge": lane.max_queue_age,
+                    "errorRate": lane.error_rate,
+                    "maxErrorRate": lane.max_error_rate,
                     "samples": lane.samples,
+                    "requests": lane.requests,
                     "stableP99Latency": lane.stable_p99_latency,
                     "stableQueueAge": lane.stable_queue_age,
+                    "stableErrorRate": lane.stable_error_rate,
                 }
             )
     recent = [e for e in status.ledger if e.kind in DECISION_KINDS][-decisions:]
@@ -171,9 +177,14 @@ def _styled(value: str | None, styles: dict[str, str]) -> Text:
     return Text(value or "-", style=styles.get(value or "", ""))
 
 
-def _vs(value: float | None, limit: float) -> Text:
-    text = f"{_ms(value)} / {_ms(limit)}"
-    if value is None:
+def _pct(value: float | None) -> str:
+    return "n/a" if value is None else format_value("errorRate", value)
+
+
+def _vs(value: float | None, limit: float | None, fmt: Callable[[float | None], str] | None = None) -> Text:
+    show = fmt or _ms
+    text = f"{show(value)} / {show(limit)}"
+    if value is None or limit is None:
         return Text(text, style="dim")
     return Text(text, style="red" if value > limit else "green")
 
@@ -214,7 +225,17 @@ def status_view(s: dict[str, Any]) -> RenderableType:
     if s["lanes"]:
         la = s["lastAnalysis"]
         t = Table(title=f"Last analysis {_t(la['time'])} of {la['revision']} over {la['window']}: {la['outcome']}")
-        for col in ("lane", "outcome", "p99 / SLO", "queue age / max", "samples", "stable p99", "stable queue age"):
+        for col in (
+            "lane",
+            "outcome",
+            "p99 / SLO",
+            "queue age / max",
+            "errors / max",
+            "samples",
+            "stable p99",
+            "stable queue age",
+            "stable errors",
+        ):
             t.add_column(col)
         for lane in s["lanes"]:
             t.add_row(
@@ -222,9 +243,11 @@ def status_view(s: dict[str, Any]) -> RenderableType:
                 _styled(lane["outcome"], OUTCOME_STYLE),
                 _vs(lane["p99Latency"], lane["p99LatencySlo"]),
                 _vs(lane["queueAge"], lane["maxQueueAge"]),
+                _vs(lane["errorRate"], lane["maxErrorRate"], _pct),
                 "n/a" if lane["samples"] is None else f"{lane['samples']:.0f}",
                 _ms(lane["stableP99Latency"]),
                 _ms(lane["stableQueueAge"]),
+                _pct(lane["stableErrorRate"]),
             )
         parts.append(t)
 
