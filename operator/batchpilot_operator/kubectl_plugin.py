@@ -14,8 +14,10 @@ Installed as the console script ``kubectl-batchpilot``, so ``kubectl batchpilot 
 Commands never edit the spec (Git stays the source of truth): they set annotations the
 operator watches (``batchpilot.dev/{promote,abort,retry,pause}``) to ``<user>@<RFC 3339
 time>``; the operator acts once per distinct value and leaves an Event and a ledger entry
-carrying it. ``resume`` removes the pause annotation. The user is who the API server says
-you are (SelfSubjectReview, as ``kubectl auth whoami``), else the kubeconfig's user name.
+carrying it. ``resume`` removes the pause annotation and records who in
+``batchpilot.dev/resume`` (the operator credits it in the Resumed entry). The user is who the
+API server says you are (SelfSubjectReview, as ``kubectl auth whoami``), else the kubeconfig's
+user name.
 
 Global flags: -n/--namespace, --kubeconfig, --context, -o table|json|yaml.
 """
@@ -34,7 +36,13 @@ import yaml
 from rich.console import Console
 
 from batchpilot_operator.oncall import render
-from batchpilot_operator.planner import ABORT_ANNOTATION, PAUSE_ANNOTATION, PROMOTE_ANNOTATION, RETRY_ANNOTATION
+from batchpilot_operator.planner import (
+    ABORT_ANNOTATION,
+    PAUSE_ANNOTATION,
+    PROMOTE_ANNOTATION,
+    RESUME_ANNOTATION,
+    RETRY_ANNOTATION,
+)
 from batchpilot_operator.spec import GROUP, PLURAL, VERSION
 
 COMMAND_ANNOTATIONS = {"promote": PROMOTE_ANNOTATION, "abort": ABORT_ANNOTATION, "retry": RETRY_ANNOTATION}
@@ -153,7 +161,7 @@ def cmd_command(cluster: Cluster, args: argparse.Namespace, console: Console) ->
     else:  # resume
         if PAUSE_ANNOTATION not in ((obj.get("metadata") or {}).get("annotations") or {}):
             console.print("[yellow]warning:[/] the policy is not paused")
-        cluster.annotate(args.name, {PAUSE_ANNOTATION: None})
+        cluster.annotate(args.name, {PAUSE_ANNOTATION: None, RESUME_ANNOTATION: value})
         handled_key, expected = "pause", ""
     result: dict[str, Any] = {"command": verb, "policy": args.name, "namespace": cluster.namespace, "by": value}
     if args.wait > 0:

@@ -101,6 +101,8 @@ PAUSE_ANNOTATION = ANNOTATION_PREFIX + "pause"
 PROMOTE_ANNOTATION = ANNOTATION_PREFIX + "promote"
 ABORT_ANNOTATION = ANNOTATION_PREFIX + "abort"
 RETRY_ANNOTATION = ANNOTATION_PREFIX + "retry"
+RESUME_ANNOTATION = ANNOTATION_PREFIX + "resume"
+"""Who resumed (``user@time``): ``kubectl batchpilot resume`` sets it as it removes the pause."""
 
 POLL_SECONDS = 5.0
 """Requeue while waiting for pods (first rollout, canary step, promotion finishing)."""
@@ -142,6 +144,7 @@ class Commands:
     promote: str | None = None
     abort: str | None = None
     retry: str | None = None
+    resume: str | None = None
 
     @classmethod
     def from_annotations(cls, annotations: Mapping[str, str] | None) -> Commands:
@@ -151,6 +154,7 @@ class Commands:
             promote=ann.get(PROMOTE_ANNOTATION),
             abort=ann.get(ABORT_ANNOTATION),
             retry=ann.get(RETRY_ANNOTATION),
+            resume=ann.get(RESUME_ANNOTATION),
         )
 
     @property
@@ -357,9 +361,11 @@ class _Planner:
                 if r.step_started_at is not None:
                     r.step_started_at += timedelta(seconds=held)
                 r.paused_at = None
+            by = resumed_by(self.inputs.commands.resume, st.handled_commands.get("pause", ""), r)
             st.handled_commands["pause"] = ""
-            self.ledger("Resumed", revision, reason="resume", evidence=f"step clock held {held:g}s")
-            self.event("Normal", "Resumed", f"rollout resumed after {held:g}s paused")
+            who = f"by {by}" if by else "pause annotation removed"
+            self.ledger("Resumed", revision, reason="resume", evidence=f"{who}; step clock held {held:g}s")
+            self.event("Normal", "Resumed", f"rollout resumed ({who}) after {held:g}s paused")
 
     def handle_abort(self) -> None:
         if self.st.rollout is None:
@@ -880,6 +886,35 @@ def _ts(t: datetime) -> str:
 def _json_float(value: float | None) -> float | None:
     """JSON (and so .status) has no Inf/NaN: those are stored as absent."""
     return value if value is not None and math.isfinite(value) else None
+
+
+def command_time(value: str | None) -> datetime | None:
+    """The time in a ``user@<RFC 3339>`` command value (None when there is none)."""
+    if not value or "@" not in value:
+        return None
+    text = value.rsplit("@", 1)[1].strip()
+    try:
+        when = datetime.fromisoformat(text.replace("Z", "+00:00"))
+    except ValueError:
+        return None
+    return when if when.tzinfo is not None else None
+
+
+def resumed_by(resume: str | None, pause: str, rollout: RolloutState | None) -> str | None:
+    """Who resumed: the resume annotation, when it is not older than the pause it ends.
+
+    The annotation stays on the object after it was handled; a later pause removed by hand
+    (``kubectl annotate ... batchpilot.dev/pause-``) must not be credited to whoever resumed
+    the previous one. The pause's time comes from its value, else from when the step clock
+    stopped; a resume value without a time is not trusted.
+    """
+    resumed_at = command_time(resume)
+    if resume is None or resumed_at is None:
+        return None
+    paused_at = command_time(pause) or (rollout.paused_at if rollout is not None else None)
+    if paused_at is not None and resumed_at < paused_at:
+        return None
+    return resume
 
 
 def _val(check: MetricCheck | None) -> float | None:

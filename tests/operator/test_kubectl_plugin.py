@@ -108,9 +108,10 @@ def test_on_call_walks_a_rollout(kube: Kube, namespace: str, operator: OperatorP
     # resume -> continues (held again on metrics)
     out = plugin.json("resume", "ranker", "--wait", "60")
     assert out["phase"] == "Progressing"
-    assert "batchpilot.dev/pause" not in (kube.get("batchingpolicy", "ranker", ns) or {})["metadata"].get(
-        "annotations", {}
-    )
+    annotations = (kube.get("batchingpolicy", "ranker", ns) or {})["metadata"].get("annotations", {})
+    assert "batchpilot.dev/pause" not in annotations and annotations["batchpilot.dev/resume"] == out["by"]
+    resumed = next(e for e in reversed(status(kube, ns)["ledger"]) if e["kind"] == "Resumed")
+    assert resumed["evidence"].startswith(f"by {out['by']};") and out["by"].startswith("admin@")
 
     # abort -> RolledBack; the ledger and an Event name the user
     out = plugin.json("abort", "ranker", "--wait", "60")

@@ -698,6 +698,29 @@ def test_pause_holds_the_step_clock_and_resume_continues() -> None:
     d = sim.tick(at(1020))
     assert d.status.current_step_index == 1
     assert [e.kind for e in d.status.ledger if e.kind in ("Paused", "Resumed")] == ["Paused", "Resumed"]
+    resumed = next(e for e in d.status.ledger if e.kind == "Resumed")
+    assert resumed.evidence == "pause annotation removed; step clock held 960s"  # no resume annotation
+
+
+def test_resume_credits_who_resumed_but_not_a_stale_resume() -> None:
+    sim = healthy(make_spec())
+    start_canary(sim, at(0), make_spec(batch=16))
+    sim.tick(at(30))
+    sim.commands = Commands(pause="carol@2026-11-30T01:00:40Z")
+    sim.tick(at(40))
+    sim.commands = Commands(resume="dave@2026-11-30T01:01:30Z")
+    d = sim.tick(at(100))
+    resumed = [e for e in d.status.ledger if e.kind == "Resumed"]
+    assert [e.evidence for e in resumed] == ["by dave@2026-11-30T01:01:30Z; step clock held 60s"]
+    assert "resumed (by dave@2026-11-30T01:01:30Z)" in " ".join(e.message for e in d.events)
+    # Paused again later, then the pause annotation removed by hand: dave's old resume is older
+    # than this pause, so nobody is credited.
+    sim.commands = Commands(pause="erin@2026-11-30T01:02:00Z", resume="dave@2026-11-30T01:01:30Z")
+    sim.tick(at(120))
+    sim.commands = Commands(resume="dave@2026-11-30T01:01:30Z")
+    d = sim.tick(at(150))
+    last_resume = [e for e in d.status.ledger if e.kind == "Resumed"][-1]
+    assert last_resume.time == at(150) and last_resume.evidence.startswith("pause annotation removed;")
 
 
 def test_pause_false_is_not_paused_and_pause_before_canary_holds_the_new_canary() -> None:
