@@ -250,6 +250,10 @@ class BatchWorker:
         self._waiting = False
         self.busy = False
         self.batches = 0
+        self.busy_seconds = 0.0
+        """Worker time spent on batches, from the cut to the hand-off of the results: the forward
+        pass plus what the worker does around it (stacking inputs, metrics, waking the loop,
+        waiting for the GIL). Only the worker thread writes it."""
         self._thread = threading.Thread(target=self._loop, name="batchpilot-model", daemon=True)
 
     def start(self) -> None:
@@ -329,3 +333,4 @@ class BatchWorker:
             exec_s = self._clock() - t0
             self.batches += 1
             self._deliver(batch, output, error, exec_s)
+            self.busy_seconds += self._clock() - batch.formed_at

@@ -9,7 +9,7 @@ from __future__ import annotations
 from collections.abc import Callable, Iterable, Sequence
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
-from prometheus_client.core import GaugeMetricFamily, Metric
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
 # Seconds: 100us .. 10s, dense around the 1-100 ms range where SLOs are set, so that
@@ -39,6 +39,21 @@ class _DepthCollector(Collector):
         yield g
 
 
+class _BusyCollector(Collector):
+    def __init__(self, revision: str, busy: Callable[[], float]) -> None:
+        self._revision = revision
+        self._busy = busy
+
+    def collect(self) -> Iterable[Metric]:
+        c = CounterMetricFamily(
+            "batchpilot_executor_busy_seconds",
+            "Model worker time spent on batches (forward pass plus the work around it), all lanes",
+            labels=["revision"],
+        )
+        c.add_metric([self._revision], self._busy())
+        yield c
+
+
 class Metrics:
     def __init__(
         self,
@@ -48,6 +63,7 @@ class Metrics:
         device: str,
         dtype: str,
         depth: Callable[[], dict[str, int]],
+        busy: Callable[[], float] | None = None,
     ) -> None:
         self.registry = CollectorRegistry(auto_describe=True)
         self.revision = revision
@@ -78,6 +94,8 @@ class Metrics:
         )  # fmt: skip
         self.info.labels(revision, model, device, dtype).set(1)
         r.register(_DepthCollector(revision, depth))
+        if busy is not None:
+            r.register(_BusyCollector(revision, busy))
         # Pre-bound children: one dict lookup per observation on the hot path.
         all_lanes = [*lanes, UNKNOWN_LANE]
         self.lat = {lane: self.latency.labels(lane, revision) for lane in lanes}

@@ -94,7 +94,9 @@ class Runtime:
             log.exception("model load failed")
             raise
         assert self.model is not None
-        self.worker = BatchWorker(self.cfg.lanes, self.model.run, self._deliver_threadsafe, self._expire_threadsafe)
+        self.worker = worker = BatchWorker(
+            self.cfg.lanes, self.model.run, self._deliver_threadsafe, self._expire_threadsafe
+        )
         self.metrics = Metrics(
             self.cfg.revision,
             self.lane_names,
@@ -102,6 +104,7 @@ class Runtime:
             self.model.device_name,
             self.cfg.model.dtype,
             self.worker.depth_rows,
+            lambda: worker.busy_seconds,
         )
         self.worker.start()
         self.ready = True

@@ -123,7 +123,7 @@ def _known_metrics() -> set[str]:
     from batchpilot_runtime.metrics import Metrics
 
     names = {"up"}
-    runtime = Metrics("r", ["lane"], "m", "cpu", "float32", lambda: {"lane": 0})
+    runtime = Metrics("r", ["lane"], "m", "cpu", "float32", lambda: {"lane": 0}, lambda: 0.0)
     for family in runtime.registry.collect():
         names |= {s.name for s in family.samples}
     assert opmetrics.ROLLOUTS is not None

@@ -318,7 +318,9 @@ async def test_binary_tensor_extension(server: Server, session: Any) -> None:
     assert json_doc["outputs"][0]["data"] == pytest.approx(list(binary_out), rel=1e-6)
 
 
-def test_metrics_carry_lane_and_revision_and_consistent_counts(server: Server) -> None:
+async def test_metrics_carry_lane_and_revision_and_consistent_counts(server: Server, session: Any) -> None:
+    status, _ = await infer(session, server, body([7]), "interactive")  # at least one batch, whatever ran before
+    assert status == 200
     samples = server.metrics()
     ours = [(n, lab, v) for n, lab, v in samples if n.startswith("batchpilot_")]
     names = {n for n, _, _ in ours}
@@ -330,6 +332,7 @@ def test_metrics_carry_lane_and_revision_and_consistent_counts(server: Server) -
         "batchpilot_queue_depth",
         "batchpilot_requests_total",
         "batchpilot_runtime_info",
+        "batchpilot_executor_busy_seconds_total",
     ):
         assert required in names, required
     for n, lab, _ in ours:
@@ -337,6 +340,8 @@ def test_metrics_carry_lane_and_revision_and_consistent_counts(server: Server) -
         assert lab.get("revision") == "rev-test", (n, lab)
         if n == "batchpilot_runtime_info":
             assert lab == {"revision": "rev-test", "model": "m", "device": "cpu", "dtype": "float32"}
+        elif n.startswith("batchpilot_executor_busy_seconds"):
+            assert lab == {"revision": "rev-test"}  # one executor for all lanes
         else:
             assert "lane" in lab, (n, lab)
     latency = "batchpilot_request_latency_seconds_bucket"
@@ -353,6 +358,10 @@ def test_metrics_carry_lane_and_revision_and_consistent_counts(server: Server) -
         assert get("batchpilot_request_latency_seconds_count") == answered, ln
         assert get("batchpilot_queue_age_seconds_count") == answered, ln
         assert get("batchpilot_batch_size_rows_count") == get("batchpilot_model_execution_seconds_count"), ln
+    # The worker's busy time covers every forward pass (and the work around them).
+    busy = next(v for n, _, v in ours if n == "batchpilot_executor_busy_seconds_total")
+    forward = sum(v for n, _, v in ours if n == "batchpilot_model_execution_seconds_sum")
+    assert forward > 0 and busy >= forward
 
 
 async def test_sigterm_drains_every_accepted_request(tmp_path: Path) -> None:
