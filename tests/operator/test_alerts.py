@@ -143,3 +143,16 @@ def test_rules_and_dashboard_read_metrics_that_exist() -> None:
     exprs = [r["expr"] for g in rule_groups() for r in g["rules"]] + dashboard_exprs()
     missing = _referenced(exprs) - _known_metrics()
     assert not missing, f"rules or dashboard read metrics nobody exports: {sorted(missing)}"
+
+
+def test_error_ratio_in_rules_and_dashboard_is_the_canary_analysis_one() -> None:
+    # The alert and the dashboard must call the same outcomes errors as the canary analysis,
+    # or on-call sees a different error rate from the one that rolled a canary back.
+    from batchpilot_operator.analysis import ERROR_OUTCOMES
+
+    errors = f'outcome=~"{"|".join(ERROR_OUTCOMES)}"'
+    using = [e for e in [r["expr"] for g in rule_groups() for r in g["rules"]] + dashboard_exprs() if "outcome" in e]
+    ratios = [e for e in using if "outcome!=" in e]
+    assert len(ratios) == 2, using  # the recording rule and the dashboard panel
+    for expr in ratios:
+        assert errors in expr and 'outcome!="invalid"' in expr, expr
