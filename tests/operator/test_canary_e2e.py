@@ -148,9 +148,10 @@ def test_canary_promotes_good_change_and_rolls_back_bad_one(scenario: Scenario) 
     # (b) a window that breaks the SLO: valid at admission (shorter than the 120 ms p99 SLO),
     # but window plus execution is not, and the queue age is far beyond its 60 ms objective.
     # The batch is raised to 64 rows with it (the usual "bigger batches, longer window to fill
-    # them" mistake): the trace is bursty enough (at 40 req/s, most arrivals have 16 or more
-    # others within 110 ms) that 8-row batches often fill before the window ends, and the p99
-    # would then breach only in some analyses; 64 rows never fill, so both objectives breach.
+    # them" mistake): the trace is bursty enough (at 40 req/s, 56% of arrivals start a 110 ms
+    # span holding 16 or more requests) that 8-row batches often fill before the window ends,
+    # and the p99 would then breach only in some analyses; 64 rows never fill (the largest such
+    # span holds 118 requests, over two pods), so both objectives breach in every analysis.
     s.apply(with_window("110ms", max_batch_size=64))
     bad = s.wait(lambda st: st.get("canaryRevision") not in (None, canary), 60, "the bad canary")["canaryRevision"]
     rolled = s.wait(lambda st: st.get("phase") == "RolledBack", 180, "automatic rollback")
