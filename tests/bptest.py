@@ -14,6 +14,7 @@ from typing import Any
 import yaml
 
 from batchpilot_operator.localdev import free_port
+from batchpilot_operator.spec import PolicySpec
 
 REPO = Path(__file__).resolve().parents[1]
 CRD = REPO / "crds" / "batchingpolicy.yaml"
@@ -77,6 +78,47 @@ INTERACTIVE_LANE: dict[str, Any] = {
     "maxQueueLength": 64,
     "requestTimeout": "100ms",
 }
+
+
+def make_spec(*, batch: int = 8, replicas: int = 4, lanes: int = 1, **rollout: Any) -> PolicySpec:
+    """The pure-logic tests' policy (planner, analysis): an interactive lane (``batch`` rows, 5 ms
+    window) and, with ``lanes=2``, a background lane with its own 2 s / 500 ms SLO; policy SLO
+    200 ms / 50 ms; steps 25% and 50% of 60 s; analysed every 30 s over at least 50 samples.
+    Keyword arguments replace rollout fields."""
+    lane_list = [
+        {
+            "name": "interactive",
+            "maxBatchSize": batch,
+            "maxQueueDelay": "5ms",
+            "maxQueueLength": 100,
+            "requestTimeout": "1s",
+        },
+        {
+            "name": "background",
+            "maxBatchSize": 64,
+            "maxQueueDelay": "50ms",
+            "maxQueueLength": 1000,
+            "requestTimeout": "10s",
+            "slo": {"p99Latency": "2s", "maxQueueAge": "500ms"},
+        },
+    ][:lanes]
+    ro: dict[str, Any] = {
+        "steps": [{"weight": 25, "pause": "60s"}, {"weight": 50, "pause": "60s"}],
+        "analysisInterval": "30s",
+        "failureLimit": 2,
+        "minSamples": 50,
+        "maxInconclusive": 3,
+    }
+    ro.update(rollout)
+    return PolicySpec.model_validate(
+        {
+            "model": {"name": "m", "image": "img:1", "source": "builtin:mlp"},
+            "replicas": replicas,
+            "lanes": lane_list,
+            "slo": {"p99Latency": "200ms", "maxQueueAge": "50ms"},
+            "rollout": ro,
+        }
+    )
 
 
 def policy(name: str, **spec: Any) -> dict[str, Any]:

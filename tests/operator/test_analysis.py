@@ -23,36 +23,10 @@ from batchpilot_operator.analysis import (
     verdicts,
 )
 from batchpilot_operator.spec import PolicySpec
+from bptest import make_spec
 
 NOW = datetime(2026, 11, 30, 2, 0, tzinfo=UTC)
 SEL = 'namespace="ml",policy="chat",track="canary",revision="abc123",lane="interactive"'
-
-
-def make_spec(**rollout: Any) -> PolicySpec:
-    return PolicySpec.model_validate(
-        {
-            "model": {"name": "m", "image": "img:1", "source": "builtin:mlp"},
-            "lanes": [
-                {
-                    "name": "interactive",
-                    "maxBatchSize": 8,
-                    "maxQueueDelay": "5ms",
-                    "maxQueueLength": 100,
-                    "requestTimeout": "1s",
-                },
-                {
-                    "name": "background",
-                    "maxBatchSize": 64,
-                    "maxQueueDelay": "50ms",
-                    "maxQueueLength": 1000,
-                    "requestTimeout": "10s",
-                    "slo": {"p99Latency": "2s", "maxQueueAge": "500ms"},
-                },
-            ],
-            "slo": {"p99Latency": "200ms", "maxQueueAge": "50ms"},
-            "rollout": {"analysisInterval": "30s", "minSamples": 50, **rollout},
-        }
-    )
 
 
 def test_queries_are_exactly_the_documented_promql() -> None:
@@ -99,7 +73,7 @@ def test_selector_escapes_label_values() -> None:
 
 
 def test_plan_queries_covers_both_tracks_and_all_lanes() -> None:
-    lqs = plan_queries(make_spec(), policy="chat", namespace="ml", canary_revision="c", stable_revision="s")
+    lqs = plan_queries(make_spec(lanes=2), policy="chat", namespace="ml", canary_revision="c", stable_revision="s")
     assert [(q.track, q.revision, q.lane) for q in lqs] == [
         ("canary", "c", "interactive"),
         ("stable", "s", "interactive"),
@@ -107,7 +81,9 @@ def test_plan_queries_covers_both_tracks_and_all_lanes() -> None:
         ("stable", "s", "background"),
     ]
     assert {q.window for q in lqs} == {"30s"}
-    only_canary = plan_queries(make_spec(), policy="chat", namespace="ml", canary_revision="c", stable_revision=None)
+    only_canary = plan_queries(
+        make_spec(lanes=2), policy="chat", namespace="ml", canary_revision="c", stable_revision=None
+    )
     assert [q.track for q in only_canary] == ["canary", "canary"]
 
 
@@ -223,7 +199,7 @@ def _table(
 def _analyse(backend: MetricsBackend, spec: PolicySpec | None = None) -> AnalysisResult:
     return run_analysis(
         backend,
-        spec or make_spec(),
+        spec or make_spec(lanes=2),
         policy="chat",
         namespace="ml",
         canary_revision="c1",
@@ -265,8 +241,8 @@ def test_canary_shedding_load_fails_on_error_rate_while_fast() -> None:
     assert result.evidence(only=[Outcome.FAILED]) == "lane interactive errorRate: 12% > 1% (300 samples)"
     # At the default budget exactly (1%) it passes; a lane SLO can allow more.
     assert _analyse(DictBackend(_table(canary__interactive__errorRate=(0.01, 300.0)))).outcome is Outcome.SUCCESSFUL
-    lenient = make_spec().model_copy(
-        update={"slo": make_spec().slo.model_copy(update={"max_error_rate": 0.2})}
+    lenient = make_spec(lanes=2).model_copy(
+        update={"slo": make_spec(lanes=2).slo.model_copy(update={"max_error_rate": 0.2})}
     )  # fmt: skip
     assert _analyse(DictBackend(_table(canary__interactive__errorRate=(0.12, 300.0))), lenient).outcome is (
         Outcome.SUCCESSFUL
@@ -314,6 +290,6 @@ def test_unreachable_backend_is_error() -> None:
 
 
 def test_verdicts_skips_lanes_without_queries() -> None:
-    spec = make_spec()
+    spec = make_spec(lanes=2)
     lqs = [q for q in plan_queries(spec, policy="p", namespace="n", canary_revision="c", stable_revision=None)]
     assert [v.lane for v in verdicts(spec, lqs[:1], {})] == ["interactive"]

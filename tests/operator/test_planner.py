@@ -29,46 +29,10 @@ from batchpilot_operator.planner import (
 )
 from batchpilot_operator.spec import PolicySpec
 from batchpilot_operator.status import LEDGER_LIMIT, Phase, Status
+from bptest import make_spec
 
 T0 = datetime(2026, 11, 30, 1, 0, 0, tzinfo=UTC)
 POLICY, NS = "chat", "ml"
-
-
-def make_spec(*, batch: int = 8, replicas: int = 4, lanes: int = 1, **rollout: Any) -> PolicySpec:
-    lane_list = [
-        {
-            "name": "interactive",
-            "maxBatchSize": batch,
-            "maxQueueDelay": "5ms",
-            "maxQueueLength": 100,
-            "requestTimeout": "1s",
-        },
-        {
-            "name": "background",
-            "maxBatchSize": 64,
-            "maxQueueDelay": "50ms",
-            "maxQueueLength": 1000,
-            "requestTimeout": "10s",
-            "slo": {"p99Latency": "2s", "maxQueueAge": "500ms"},
-        },
-    ][:lanes]
-    ro: dict[str, Any] = {
-        "steps": [{"weight": 25, "pause": "60s"}, {"weight": 50, "pause": "60s"}],
-        "analysisInterval": "30s",
-        "failureLimit": 2,
-        "minSamples": 50,
-        "maxInconclusive": 3,
-    }
-    ro.update(rollout)
-    return PolicySpec.model_validate(
-        {
-            "model": {"name": "m", "image": "img:1", "source": "builtin:mlp"},
-            "replicas": replicas,
-            "lanes": lane_list,
-            "slo": {"p99Latency": "200ms", "maxQueueAge": "50ms"},
-            "rollout": ro,
-        }
-    )
 
 
 def at(seconds: float) -> datetime:
