@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # One-time (and idempotent) set-up for the demo and the tests on a Debian machine:
-#   apt packages (Prometheus + promtool, Lua 5.1, openssl), a virtualenv in .venv with torch
+#   apt packages (Prometheus + promtool, Lua 5.1, openssl, Go when missing), a virtualenv in .venv with torch
 #   and batchpilot (editable, all extras), and the local control plane built from Go modules.
 # Re-running it reuses what is there: each step is skipped when its inputs did not change.
 set -euo pipefail
