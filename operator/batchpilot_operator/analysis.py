@@ -21,32 +21,46 @@ The error outcomes are the server's failures to serve a well-formed request: ``r
 see the requests that were served, so a change that sheds load (a queue bound too small for
 the bursts, a model that fails) would look fast; the error rate is what catches it.
 
-Verdict of one lane (canary track only):
+Every objective is read as *bad events among requests* over the window: requests slower
+than the lane's p99 SLO (p99 <= SLO is exactly "at most 1% of requests over it"; the count
+over the SLO comes from the histogram buckets, interpolated inside a bucket as
+``histogram_quantile`` does), requests that waited longer than ``maxQueueAge`` (p99 queue
+age), and requests answered with an error (budget ``maxErrorRate``). The ``budget`` is the
+bad fraction the objective allows: 1% for the two p99s, ``maxErrorRate`` for errors.
 
-* any metric with fewer samples than ``minSamples`` (or no data / NaN) -> ``Inconclusive``:
-  thin traffic never fails a canary by itself;
-* a metric with enough samples whose value exceeds its threshold (lane SLO ``p99Latency`` for
-  latency, ``maxQueueAge`` for queue age, ``maxErrorRate`` for the error rate) -> ``Failed``;
+Verdict of one objective of one lane (canary vs the stable track over the same window):
+
 * a query that errored (Prometheus unreachable, bad response) -> ``Error``;
-* otherwise ``Successful``.
+* fewer canary requests than ``minSamples`` (or no data) -> ``Inconclusive``: thin traffic
+  never fails a canary by itself;
+* the canary's bad fraction within its budget (its p99 meets the SLO) -> ``Successful``;
+* the canary breaches, and BOTH (a) it is over its budget with at least
+  ``rollout.confidence`` (exact binomial test: k bad among n would be that unlikely if the
+  canary just met the objective) AND (b) it is worse than the stable with at least
+  ``rollout.confidence`` (one-sided Fisher exact test of its bad fraction against the
+  stable's over the same window) -> ``Failed``. Without a usable stable measurement (no
+  stable track, fewer than ``minSamples`` stable requests, or its queries erroring) (a)
+  alone decides;
+* otherwise (a breach that is thin, or that the stable shares to a degree the data cannot
+  tell apart) -> ``Inconclusive``, with the reason in the evidence. The step is extended;
+  after ``maxInconclusive`` in a row the rollout holds as Stalled, it never rolls back.
+
+Why this rule (measured in bench/canary_eval.py; README "How the canary verdict decides"):
+a p99 from one window of a few hundred requests is the window's 2nd or 3rd slowest request,
+and under bursty traffic both tracks swing far over the SLO together. The earlier rule
+compared the canary's p99 point with the SLO and excused it only when within 10% of an
+equally breaching stable; it failed good canaries whenever a burst happened to land on the
+canary's pods a little harder. Counting the bad events uses every request of the window,
+and asking whether the canary's share of them is larger than chance puts a stated error rate
+(1 - confidence) on each side of the comparison instead of a fixed 10%. Kayenta judges
+canaries by a rank test over the distributions; for a p99 objective the tail is what
+matters (a change that moves the median and not the tail is not a breach), so the test is on
+the tail beyond the SLO itself.
 
 Precedence, for a lane and for the whole analysis: Failed > Error > Inconclusive >
 Successful. A breach measured with enough samples is evidence even if another query failed;
 an Error outranks Inconclusive because "we could not look" must follow
 ``onMetricsUnavailable`` rather than quietly extend the step.
-
-The stable track is measured over the same window and recorded next to the canary's values
-(ledger ``stableValue``/``stableSamples``) as evidence for on-call. The SLO decides, with one
-exception: a canary breach is not the canary's fault when the stable track, over the same
-window and with enough samples, breaches the same objective at least as badly (canary value
-within :data:`STABLE_TOLERANCE` of the stable's). That is a traffic burst or a sick node hitting
-both tracks; rolling back would not help, so the check is ``Inconclusive`` ("stable breaches
-too"): the step is extended and, after ``maxInconclusive`` in a row, the rollout holds as
-Stalled. This is the false rollback Flagger and Argo Rollouts users hit on bursty traffic (the
-demo's trace has bursts of 15x its mean rate). The stable alone never fails a canary, and a
-plain relative check (canary p99 vs stable p99 while both meet the SLO) is not used: it flaps
-on the short, thin windows a canary step has. The stable's queries erroring never changes the
-verdict.
 """
 
 from __future__ import annotations
@@ -60,6 +74,14 @@ from enum import StrEnum
 from typing import Literal, Protocol
 
 from batchpilot_operator.spec import PolicySpec
+from batchpilot_operator.stats import (
+    Slices,
+    binomial_sf,
+    clustered_greater,
+    clustered_over_budget,
+    count_above,
+    fisher_greater,
+)
 
 LATENCY_METRIC = "batchpilot_request_latency_seconds"
 QUEUE_AGE_METRIC = "batchpilot_queue_age_seconds"
@@ -67,8 +89,12 @@ REQUESTS_METRIC = "batchpilot_requests_total"
 ERROR_OUTCOMES = ("rejected_full", "timed_out", "failed", "unavailable")
 """Outcomes of ``batchpilot_requests_total`` that count as errors (see the module docstring)."""
 QUANTILE = 0.99
-STABLE_TOLERANCE = 0.10
-"""A breaching canary within this fraction of an equally breaching stable is not blamed."""
+P99_BUDGET = 1 - QUANTILE
+"""The share of requests a p99 objective allows over its threshold."""
+SLICES = 5
+"""Sub-windows of an analysis window: the clusters of the burst-robust tests (see judge)."""
+TALLY_SLICES = 10 * SLICES
+"""Sub-windows of the canary's tally: the evidence of its last 10 analyses (see judge)."""
 
 MetricName = Literal["p99Latency", "queueAge", "errorRate"]
 Track = Literal["stable", "canary"]
@@ -78,9 +104,32 @@ _HISTOGRAM: dict[MetricName, str] = {"p99Latency": LATENCY_METRIC, "queueAge": Q
 
 def format_value(metric: MetricName, value: float) -> str:
     """A metric's value for people: seconds for latencies, a percentage for the error rate."""
+    if math.isinf(value):
+        return "+Inf (beyond the largest bucket)"
     if metric == "errorRate":
         return f"{value * 100:.3g}%"
     return f"{value:.4g}s"
+
+
+def format_share(fraction: float) -> str:
+    """A fraction as a percentage for people: 0.0412 -> '4.12%', 0.0 -> '0%'."""
+    return f"{fraction * 100:.3g}%"
+
+
+def format_confidence(confidence: float) -> str:
+    """A confidence for people, never rounded up to a certainty: 0.97 -> '97%', 0.99996 -> '>99.99%'."""
+    if confidence >= 0.9999:
+        return ">99.99%"
+    pct = math.floor(confidence * 10000) / 100
+    return f"{pct:.2f}".rstrip("0").rstrip(".") + "%"
+
+
+_LABEL: dict[MetricName, str] = {"p99Latency": "p99 latency", "queueAge": "p99 queue age", "errorRate": "error rate"}
+_BAD: dict[MetricName, str] = {
+    "p99Latency": "slower than the SLO",
+    "queueAge": "queued longer than maxQueueAge",
+    "errorRate": "errors",
+}
 
 
 class Outcome(StrEnum):
@@ -127,11 +176,17 @@ def selector(*, namespace: str, policy: str, track: str, revision: str, lane: st
 
 @dataclass(frozen=True)
 class MetricQueries:
-    """The two queries of one metric of one (track, revision, lane)."""
+    """The queries of one metric of one (track, revision, lane).
+
+    ``value`` is what people read (the p99, the error rate); ``samples`` counts the requests;
+    ``bad`` gives the bad events: the histogram's buckets by ``le`` (the count over the
+    threshold is read from them), or the count of error outcomes.
+    """
 
     metric: MetricName
     value: str
     samples: str
+    bad: str
 
 
 @dataclass(frozen=True)
@@ -143,7 +198,7 @@ class LaneQueries:
     metrics: tuple[MetricQueries, ...]
 
     def all(self) -> list[str]:
-        return [q for m in self.metrics for q in (m.value, m.samples)]
+        return [q for m in self.metrics for q in (m.value, m.samples, m.bad)]
 
     def metric(self, name: MetricName) -> MetricQueries:
         for m in self.metrics:
@@ -162,6 +217,7 @@ def build_queries(*, policy: str, namespace: str, track: Track, revision: str, l
             metric=name,
             value=(f"histogram_quantile({QUANTILE}, sum by (le) (rate({hist}_bucket{sel}[{w}])))"),
             samples=f"sum(increase({hist}_count{sel}[{w}]))",
+            bad=f"sum by (le) (increase({hist}_bucket{sel}[{w}]))",
         )
         for name, hist in _HISTOGRAM.items()
     ]
@@ -176,6 +232,7 @@ def build_queries(*, policy: str, namespace: str, track: Track, revision: str, l
                 f"(sum(rate({REQUESTS_METRIC}{errors}[{w}])) or vector(0)) / sum(rate({REQUESTS_METRIC}{served}[{w}]))"
             ),
             samples=f"sum(increase({REQUESTS_METRIC}{served}[{w}]))",
+            bad=f"sum(increase({REQUESTS_METRIC}{errors}[{w}])) or vector(0)",
         )
     )
     return LaneQueries(track=track, revision=revision, lane=lane, window=w, metrics=tuple(metrics))
@@ -186,22 +243,25 @@ def build_queries(*, policy: str, namespace: str, track: Track, revision: str, l
 
 @dataclass(frozen=True)
 class Measurement:
-    """The scalar result of one instant query.
+    """The result of one instant query: a scalar, or histogram buckets.
 
     ``value`` is None when the query returned no series or NaN (no traffic): that is no
-    data, not an error. ``error`` is set when the query itself failed.
+    data, not an error. ``buckets`` holds ``(le, count)`` pairs when the answer was one
+    series per ``le`` (a ``sum by (le)`` query). ``error`` is set when the query failed.
     """
 
     query: str
     value: float | None = None
     error: str | None = None
+    buckets: tuple[tuple[float, float], ...] | None = None
 
 
 class MetricsBackend(Protocol):
-    """What the analysis needs from a metrics store: run instant queries, never raise for
-    store faults (unreachable, timeout, bad response): those come back as ``error``."""
+    """What the analysis needs from a metrics store: run instant queries at one instant
+    (``at``, Unix seconds; None: now), never raise for store faults (unreachable, timeout,
+    bad response): those come back as ``error``."""
 
-    def measure(self, queries: Sequence[str]) -> Mapping[str, Measurement]: ...
+    def measure(self, queries: Sequence[str], at: float | None = None) -> Mapping[str, Measurement]: ...
 
 
 # --------------------------------------------------------------------------- verdicts
@@ -209,7 +269,14 @@ class MetricsBackend(Protocol):
 
 @dataclass(frozen=True)
 class MetricCheck:
-    """One metric of one lane of one track: the evidence and its outcome."""
+    """One metric of one lane of one track: the evidence and its outcome.
+
+    ``bad`` is the number of bad events among ``samples`` requests (over the threshold, or
+    errors) and ``budget`` the fraction the objective allows. For a canary check that
+    breached, ``confidence_over_budget`` and ``confidence_worse`` are the confidences of the
+    two tests of the verdict (``None``: not run, e.g. no usable stable), and ``stable`` the
+    stable track's check it was compared with.
+    """
 
     track: Track
     revision: str
@@ -223,20 +290,74 @@ class MetricCheck:
     outcome: Outcome
     error: str | None = None
     note: str | None = None
-    """Why the outcome is not the plain SLO comparison (e.g. the stable breaches too)."""
+    """Why the outcome is not the plain SLO comparison (a breach not attributed to the canary)."""
+    bad: float | None = None
+    budget: float = P99_BUDGET
+    confidence_over_budget: float | None = None
+    confidence_worse: float | None = None
+    stable: MetricCheck | None = None
+    tally: tuple[float, float] | None = None
+    """(bad events, requests) the verdict was on: this window's and the earlier analyses'."""
+    stable_tally: tuple[float, float] | None = None
+
+    @property
+    def bad_fraction(self) -> float | None:
+        if self.bad is None or not self.samples:
+            return None
+        return min(1.0, self.bad / self.samples)
+
+    def breaches(self) -> bool:
+        """More bad events than the budget allows (the point estimate; no test)."""
+        frac = self.bad_fraction
+        return frac is not None and frac > self.budget
 
     def describe(self) -> str:
+        """The check in words on-call reads (Events, ledger, ``kubectl batchpilot``)."""
+        head = f"lane {self.lane} {_LABEL[self.metric]}"
         if self.outcome is Outcome.ERROR:
-            return f"lane {self.lane} {self.metric}: query error ({self.error})"
+            return f"{head}: query error ({self.error})"
         threshold = format_value(self.metric, self.threshold)
         value = "no data" if self.value is None else format_value(self.metric, self.value)
-        if self.note:
-            return f"lane {self.lane} {self.metric}: {value} > {threshold} but {self.note}"
         samples = "0" if self.samples is None else f"{self.samples:.0f}"
-        op = ">" if self.outcome is Outcome.FAILED else "<="
-        if self.outcome is Outcome.INCONCLUSIVE:
-            return f"lane {self.lane} {self.metric}: {value} from {samples} samples (too few)"
-        return f"lane {self.lane} {self.metric}: {value} {op} {threshold} ({samples} samples)"
+        if self.samples is None or self.value is None or self.bad_fraction is None:
+            return f"{head}: no data from {samples} requests"
+        if self.outcome is Outcome.INCONCLUSIVE and self.note is None:
+            return f"{head}: {value} from {samples} requests (too few)"
+        if self.outcome is Outcome.SUCCESSFUL:
+            if self.value > self.threshold and self.tally is not None:
+                k, n = self.tally
+                return (
+                    f"{head}: {value} > {threshold} in this window, but {format_share(k / n if n else 0.0)} of "
+                    f"{n:.0f} requests of the tally {_BAD[self.metric]}: within the {format_share(self.budget)} budget"
+                )
+            return f"{head}: {value} <= {threshold} ({samples} requests)"
+        stable = self.stable
+        vs = ""
+        if stable is not None and stable.value is not None and stable.bad_fraction is not None:
+            vs = f" vs stable {format_value(self.metric, stable.value)}"
+        k, n = self.tally or (self.bad or 0.0, self.samples or 0.0)
+        share = f"{format_share(k / n if n else 0.0)} of {n:.0f} requests {_BAD[self.metric]}"
+        if self.stable_tally is not None:
+            ks, ns = self.stable_tally
+            share += f" vs {format_share(ks / ns if ns else 0.0)} of {ns:.0f} on stable"
+        elif stable is not None and stable.bad_fraction is not None:
+            share += f" vs {format_share(stable.bad_fraction)} of {stable.samples or 0:.0f} on stable"
+        if self.tally is not None and self.tally[1] > (self.samples or 0) + 0.5:
+            share += " (this and earlier analyses)"
+        text = f"{head}: canary {value} > {threshold}{vs}; {share}"
+        tests = []
+        if self.confidence_worse is not None:
+            tests.append(f"worse than stable with {format_confidence(self.confidence_worse)} confidence")
+        if self.confidence_over_budget is not None:
+            tests.append(
+                f"over its {format_share(self.budget)} budget with {format_confidence(self.confidence_over_budget)}"
+                " confidence"
+            )
+        if tests:
+            text += "; " + ", ".join(tests)
+        if self.note:
+            text += f"; {self.note}"
+        return text
 
 
 @dataclass(frozen=True)
@@ -262,6 +383,8 @@ class AnalysisResult:
     canary_revision: str
     stable_revision: str | None
     lanes: tuple[LaneVerdict, ...] = field(default_factory=tuple)
+    tally: dict[str, list[list[float]]] = field(default_factory=dict)
+    """The canary's tally after this analysis (``status.rollout.evidence``; see verdicts)."""
 
     @property
     def outcome(self) -> Outcome:
@@ -286,6 +409,15 @@ def _not_nan(value: float | None) -> float | None:
     return value
 
 
+def _bad_events(metric: MetricName, m: Measurement, threshold: float, samples: float | None) -> float | None:
+    """Bad events from the ``bad`` query: the count over ``threshold`` from buckets, or errors."""
+    histogram = metric in _HISTOGRAM
+    bad = (count_above(m.buckets, threshold) if m.buckets else None) if histogram else _finite(m.value)
+    if bad is None or samples is None:
+        return bad
+    return min(bad, samples)
+
+
 def check_metric(
     *,
     queries: LaneQueries,
@@ -293,23 +425,20 @@ def check_metric(
     measurements: Mapping[str, Measurement],
     threshold: float,
     min_samples: int,
+    budget: float = P99_BUDGET,
 ) -> MetricCheck:
-    """Verdict of one metric from its raw measurements (see the module docstring)."""
+    """One track's metric from its raw measurements, judged on its own (no comparison yet):
+    Error, Inconclusive (too few samples or no data), Failed (over budget) or Successful."""
     mq = queries.metric(metric)
-    value_m = measurements.get(mq.value, Measurement(mq.value, error="not measured"))
-    samples_m = measurements.get(mq.samples, Measurement(mq.samples, error="not measured"))
+    missing = "not measured"
+    value_m = measurements.get(mq.value, Measurement(mq.value, error=missing))
+    samples_m = measurements.get(mq.samples, Measurement(mq.samples, error=missing))
+    bad_m = measurements.get(mq.bad, Measurement(mq.bad, error=missing))
     value = _not_nan(value_m.value)
     samples = _finite(samples_m.value)
-    error = value_m.error or samples_m.error
-    if error is not None:
-        outcome = Outcome.ERROR
-    elif samples is None or samples < min_samples or value is None:
-        outcome = Outcome.INCONCLUSIVE
-    elif value > threshold:
-        outcome = Outcome.FAILED
-    else:
-        outcome = Outcome.SUCCESSFUL
-    return MetricCheck(
+    error = value_m.error or samples_m.error or bad_m.error
+    bad = None if error else _bad_events(metric, bad_m, threshold, samples)
+    check = MetricCheck(
         track=queries.track,
         revision=queries.revision,
         lane=queries.lane,
@@ -319,33 +448,107 @@ def check_metric(
         value=value,
         samples=samples,
         threshold=threshold,
-        outcome=outcome,
+        outcome=Outcome.SUCCESSFUL,
         error=error,
+        bad=bad,
+        budget=budget,
     )
+    if error is not None:
+        outcome = Outcome.ERROR
+    elif samples is None or samples < min_samples or value is None or bad is None:
+        outcome = Outcome.INCONCLUSIVE
+    elif check.breaches():
+        outcome = Outcome.FAILED
+    else:
+        outcome = Outcome.SUCCESSFUL
+    return dataclasses.replace(check, outcome=outcome)
 
 
-def excuse_shared_breach(check: MetricCheck, stable: Sequence[MetricCheck]) -> MetricCheck:
-    """A Failed canary check becomes Inconclusive when the stable breaches as badly (see above)."""
-    if check.outcome is not Outcome.FAILED or check.value is None:
-        return check
-    twin = next((s for s in stable if s.metric == check.metric), None)
-    if twin is None or twin.outcome is not Outcome.FAILED or twin.value is None:
-        return check
-    if check.value > twin.value * (1 + STABLE_TOLERANCE):
-        return check
+def _least(*confidences: float | None) -> float | None:
+    known = [c for c in confidences if c is not None]
+    return min(known) if known else None
+
+
+def judge(
+    canary: MetricCheck,
+    stable: MetricCheck | None,
+    confidence: float,
+    canary_slices: Slices | None = None,
+    stable_slices: Slices | None = None,
+) -> MetricCheck:
+    """The canary's verdict on one objective: its tally against its budget and the stable's.
+
+    ``canary`` and ``stable`` are this window's checks (:func:`check_metric`); a canary check
+    that is Error or Inconclusive (too few requests in this window) stays so. The verdict is
+    then on the tally: ``*_slices`` are (bad events, requests) per sub-window of this window
+    and of the canary's earlier analyses (:data:`TALLY_SLICES` at most; without them, this
+    window's counts). The canary is Successful when its tallied bad share is within its
+    budget; otherwise Failed when it is over its budget with ``confidence`` AND, if the
+    stable is usable, worse than the stable with ``confidence``; otherwise Inconclusive with
+    the reason in ``note``.
+
+    Each confidence is the lesser of two tests that must both agree: the exact test on the
+    tallied counts (binomial / Fisher: right for few events, but it takes every request as
+    independent) and the cluster-robust t test across sub-windows (a burst that landed on one
+    track's pods is one cluster of evidence, however many requests it delayed; see
+    :mod:`batchpilot_operator.stats`).
+    """
+    if canary.outcome in (Outcome.ERROR, Outcome.INCONCLUSIVE) or canary.bad is None or canary.samples is None:
+        return canary
+    k_c, n_c = _totals(canary_slices) if canary_slices else (canary.bad, canary.samples)
+    if n_c <= 0 or k_c / n_c <= canary.budget:
+        return dataclasses.replace(canary, outcome=Outcome.SUCCESSFUL, tally=(k_c, n_c))
+    over = _least(
+        1.0 - binomial_sf(k_c, n_c, canary.budget),
+        clustered_over_budget(canary_slices, canary.budget) if canary_slices else None,
+    )
+    assert over is not None
+    usable = stable is not None and stable.outcome is not Outcome.ERROR and stable.outcome is not Outcome.INCONCLUSIVE
+    worse: float | None = None
+    stable_tally: tuple[float, float] | None = None
+    if usable:
+        assert stable is not None and stable.bad is not None and stable.samples is not None
+        paired = stable_slices if canary_slices and stable_slices and len(stable_slices) == len(canary_slices) else None
+        k_s, n_s = _totals(paired) if paired else (stable.bad, stable.samples)
+        k_c_, n_c_ = (k_c, n_c) if paired else (canary.bad, canary.samples)
+        stable_tally = (k_s, n_s)
+        worse = _least(
+            1.0 - fisher_greater(k_c_, n_c_, k_s, n_s),
+            clustered_greater(canary_slices, paired) if canary_slices and paired else None,
+        )
+    note = None
+    if over < confidence:
+        note = f"a breach this thin is not conclusive (needs {format_confidence(confidence)} confidence)"
+    elif worse is not None and worse < confidence:
+        note = (
+            "the stable track breaches too: not clearly the canary's doing"
+            if stable is not None and stable.breaches()
+            else "not clearly worse than the stable track"
+        ) + f" (needs {format_confidence(confidence)} confidence)"
     return dataclasses.replace(
-        check,
-        outcome=Outcome.INCONCLUSIVE,
-        note=(
-            f"the stable track breaches too ({format_value(twin.metric, twin.value)}, {twin.samples or 0:.0f} samples): "
-            "not the canary's doing"
-        ),
+        canary,
+        outcome=Outcome.FAILED if note is None else Outcome.INCONCLUSIVE,
+        note=note,
+        confidence_over_budget=over,
+        confidence_worse=worse,
+        stable=stable,
+        tally=(k_c, n_c),
+        stable_tally=stable_tally,
     )
+
+
+def _totals(slices: Slices) -> tuple[float, float]:
+    return sum(k for k, _ in slices), sum(n for _, n in slices)
 
 
 def lane_thresholds(spec: PolicySpec, lane: str) -> dict[MetricName, float]:
     slo = spec.lane_slo(lane)
     return {"p99Latency": slo.p99_latency, "queueAge": slo.max_queue_age, "errorRate": slo.max_error_rate}
+
+
+def lane_budgets(spec: PolicySpec, lane: str) -> dict[MetricName, float]:
+    """The bad fraction each objective allows: 1% over a p99 threshold, maxErrorRate errors."""
+    return {"p99Latency": P99_BUDGET, "queueAge": P99_BUDGET, "errorRate": spec.lane_slo(lane).max_error_rate}
 
 
 def plan_queries(
@@ -374,16 +577,46 @@ def plan_queries(
     ]
 
 
+SliceKey = tuple[str, str, MetricName]
+"""(track, lane, metric)"""
+
+
+def tally_key(key: SliceKey) -> str:
+    track, lane, metric = key
+    return f"{lane}/{metric}/{track}"
+
+
+def pooled(
+    slices: Mapping[SliceKey, Slices], history: Mapping[str, Sequence[Sequence[float]]]
+) -> dict[SliceKey, Slices]:
+    """Each key's earlier sub-windows followed by this window's, the last TALLY_SLICES of them.
+    A key without slices this time (its queries failed) has no tally: the window decides."""
+    out: dict[SliceKey, Slices] = {}
+    for key, current in slices.items():
+        earlier = [(float(k), float(n)) for k, n in history.get(tally_key(key), [])]
+        out[key] = tuple([*earlier, *current][-TALLY_SLICES:])
+    return out
+
+
 def verdicts(
     spec: PolicySpec,
     lane_queries: Sequence[LaneQueries],
     measurements: Mapping[str, Measurement],
+    slices: Mapping[SliceKey, Slices] | None = None,
+    history: Mapping[str, Sequence[Sequence[float]]] | None = None,
 ) -> tuple[LaneVerdict, ...]:
-    """Turn raw measurements into per-lane verdicts (canary decides, stable is evidence)."""
+    """Turn raw measurements into per-lane verdicts (the canary is judged against the stable).
+
+    ``slices``: bad events and requests per sub-window of this window by (track, lane,
+    metric) (:func:`slice_counts`); ``history``: the canary's tally so far
+    (``status.rollout.evidence``, keyed by :func:`tally_key`), which this window's slices
+    extend. The verdict is on the tally (:func:`judge`)."""
+    sl = pooled(slices or {}, history or {})
     min_samples = spec.rollout.min_samples
     by_lane: dict[str, dict[str, list[MetricCheck]]] = {}
     for lq in lane_queries:
         thresholds = lane_thresholds(spec, lq.lane)
+        budgets = lane_budgets(spec, lq.lane)
         checks = by_lane.setdefault(lq.lane, {"canary": [], "stable": []})
         for metric in METRICS:
             checks[lq.track].append(
@@ -393,6 +626,7 @@ def verdicts(
                     measurements=measurements,
                     threshold=thresholds[metric],
                     min_samples=min_samples,
+                    budget=budgets[metric],
                 )
             )
     result = []
@@ -401,7 +635,16 @@ def verdicts(
         if lane_checks is None:
             continue
         stable = tuple(lane_checks["stable"])
-        canary = tuple(excuse_shared_breach(c, stable) for c in lane_checks["canary"])
+        canary = tuple(
+            judge(
+                c,
+                next((s for s in stable if s.metric == c.metric), None),
+                spec.rollout.confidence,
+                sl.get(("canary", lane.name, c.metric)),
+                sl.get(("stable", lane.name, c.metric)),
+            )
+            for c in lane_checks["canary"]
+        )
         result.append(
             LaneVerdict(
                 lane=lane.name,
@@ -413,6 +656,62 @@ def verdicts(
     return tuple(result)
 
 
+def slice_queries(
+    spec: PolicySpec, lane_queries: Sequence[LaneQueries], *, policy: str, namespace: str
+) -> list[LaneQueries]:
+    """The same queries over one sub-window (``analysisInterval / SLICES``) of each lane/track;
+    evaluated at the window's end and at each earlier sub-window boundary."""
+    window = spec.rollout.analysis_interval / SLICES
+    return [
+        build_queries(
+            policy=policy, namespace=namespace, track=lq.track, revision=lq.revision, lane=lq.lane, window=window
+        )
+        for lq in lane_queries
+    ]
+
+
+SLICE_COVERAGE = 0.8
+"""Sub-windows whose requests add up to less than this share of the window's are not used."""
+
+
+def slice_counts(
+    spec: PolicySpec,
+    sub_queries: Sequence[LaneQueries],
+    per_slice: Sequence[Mapping[str, Measurement]],
+    window: Sequence[LaneQueries] = (),
+    measurements: Mapping[str, Measurement] | None = None,
+) -> dict[SliceKey, Slices]:
+    """(bad events, requests) per sub-window by (track, lane, metric), from one measurement
+    map per sub-window; a sub-window without traffic counts as (0, 0). Left out (the tests
+    fall back to the window's counts, and the tally is not extended): a (track, lane,
+    metric) with a query error, and, given the ``window`` queries and their
+    ``measurements``, one whose sub-windows hold less than :data:`SLICE_COVERAGE` of the
+    window's requests (sub-windows shorter than two scrape intervals come back empty)."""
+    totals: dict[SliceKey, float] = {}
+    for lq in window:
+        for mq in lq.metrics:
+            m = (measurements or {}).get(mq.samples)
+            if m is not None and m.error is None and _finite(m.value):
+                totals[(lq.track, lq.lane, mq.metric)] = m.value or 0.0
+    out: dict[SliceKey, Slices] = {}
+    for lq in sub_queries:
+        thresholds = lane_thresholds(spec, lq.lane)
+        for mq in lq.metrics:
+            counts: list[tuple[float, float]] = []
+            for ms in per_slice:
+                samples_m, bad_m = ms.get(mq.samples), ms.get(mq.bad)
+                if samples_m is None or bad_m is None or samples_m.error or bad_m.error:
+                    break
+                n = _finite(samples_m.value) or 0.0
+                k = _bad_events(mq.metric, bad_m, thresholds[mq.metric], n) or 0.0
+                counts.append((k, n))
+            else:
+                key = (lq.track, lq.lane, mq.metric)
+                if sum(n for _, n in counts) >= SLICE_COVERAGE * totals.get(key, 0.0):
+                    out[key] = tuple(counts)
+    return out
+
+
 def run_analysis(
     backend: MetricsBackend,
     spec: PolicySpec,
@@ -422,8 +721,10 @@ def run_analysis(
     canary_revision: str,
     stable_revision: str | None,
     now: datetime,
+    history: Mapping[str, Sequence[Sequence[float]]] | None = None,
 ) -> AnalysisResult:
-    """Query the backend once for every lane of both tracks and judge the canary."""
+    """Query the backend for every lane of both tracks, over the window and each of its
+    sub-windows, and judge the canary on its tally (``history`` extended by this window)."""
     lane_queries = plan_queries(
         spec,
         policy=policy,
@@ -431,11 +732,18 @@ def run_analysis(
         canary_revision=canary_revision,
         stable_revision=stable_revision,
     )
-    measurements = backend.measure([q for lq in lane_queries for q in lq.all()])
+    at = now.timestamp()
+    measurements = backend.measure([q for lq in lane_queries for q in lq.all()], at=at)
+    subs = slice_queries(spec, lane_queries, policy=policy, namespace=namespace)
+    sub_list = [q for lq in subs for m in lq.metrics for q in (m.samples, m.bad)]
+    step = spec.rollout.analysis_interval / SLICES
+    per_slice = [backend.measure(sub_list, at=at - j * step) for j in reversed(range(SLICES))]
+    counts = slice_counts(spec, subs, per_slice, lane_queries, measurements)
     return AnalysisResult(
         time=now,
         window=promql_window(spec.rollout.analysis_interval),
         canary_revision=canary_revision,
         stable_revision=stable_revision,
-        lanes=verdicts(spec, lane_queries, measurements),
+        lanes=verdicts(spec, lane_queries, measurements, counts, history),
+        tally={tally_key(k): [[b, n] for b, n in v] for k, v in pooled(counts, history or {}).items()},
     )

@@ -116,6 +116,7 @@ def reconcile(
             canary_revision=canary_revision,
             stable_revision=stable_revision,
             now=now,
+            history=status.rollout.evidence if status.rollout is not None else None,
         )
 
     decision = plan(

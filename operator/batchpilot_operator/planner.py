@@ -499,6 +499,8 @@ class _Planner:
         outcome = a.outcome
         self.analyses.append(outcome.value)
         self.record_analysis(a)
+        if a.tally:
+            r.evidence = a.tally
         if outcome is Outcome.ERROR:
             if r.metrics_error_since is None:
                 r.metrics_error_since = self.now
@@ -542,9 +544,13 @@ class _Planner:
                         samples=c.samples,
                         threshold=c.threshold,
                         outcome=c.outcome.value,
-                        evidence=c.error or (None if _json_float(c.value) == c.value else f"value {c.value}"),
+                        evidence=c.describe(),
                         stable_value=_json_float(s.value) if s else None,
                         stable_samples=s.samples if s else None,
+                        bad_fraction=c.bad_fraction,
+                        stable_bad_fraction=s.bad_fraction if s else None,
+                        confidence_worse=c.confidence_worse,
+                        confidence_over_budget=c.confidence_over_budget,
                     )
                 )
             lat = lane.check("p99Latency")

@@ -31,7 +31,7 @@ from urllib3.util.retry import Retry
 
 from batchpilot_operator.analysis import Measurement, MetricsBackend
 
-__all__ = ["Measurement", "MetricsBackend", "PrometheusBackend", "scalar_from_result"]
+__all__ = ["Measurement", "MetricsBackend", "PrometheusBackend", "buckets_from_result", "scalar_from_result"]
 
 
 def scalar_from_result(result: Any) -> float | None:
@@ -60,6 +60,29 @@ def scalar_from_result(result: Any) -> float | None:
     return value
 
 
+def buckets_from_result(result: Any) -> tuple[tuple[float, float], ...] | None:
+    """Histogram buckets from a ``sum by (le)`` vector: ``((le, count), ...)`` sorted by ``le``.
+
+    None when the answer is not one series per ``le`` (then it is read as a scalar). A NaN
+    count (no traffic in the window) makes the whole histogram "no data": an empty tuple.
+    """
+    if not isinstance(result, list) or not result or not isinstance(result[0], dict):
+        return None
+    if not all(isinstance(item, dict) and "le" in item.get("metric", {}) for item in result):
+        return None
+    buckets = sorted((float(item["metric"]["le"]), float(item["value"][1])) for item in result)
+    if any(math.isnan(count) for _, count in buckets):
+        return ()
+    return tuple(buckets)
+
+
+def measurement_from_result(query: str, result: Any) -> Measurement:
+    buckets = buckets_from_result(result)
+    if buckets is not None:
+        return Measurement(query=query, buckets=buckets)
+    return Measurement(query=query, value=scalar_from_result(result))
+
+
 class PrometheusBackend:
     """``MetricsBackend`` over a Prometheus HTTP API at ``url``."""
 
@@ -85,7 +108,7 @@ class PrometheusBackend:
             try:
                 # requests takes float seconds; the client's annotation says int.
                 result = self._client.custom_query(query, params=params, timeout=cast(int, self.timeout))
-                out[query] = Measurement(query=query, value=scalar_from_result(result))
+                out[query] = measurement_from_result(query, result)
             except (requests.ConnectionError, requests.Timeout) as exc:
                 unreachable = f"prometheus unreachable at {self.url}: {type(exc).__name__}"
                 out[query] = Measurement(query=query, error=unreachable)

@@ -139,6 +139,15 @@ class RolloutSpec(_Spec):
         ge=1,
         description="fewer requests in an analysis window: Inconclusive (a p99 needs 100)",
     )
+    confidence: float = Field(
+        default=0.95,
+        ge=0.5,
+        le=0.9999,
+        description=(
+            "how sure the analysis must be before it blames the canary: that the canary is over its SLO budget"
+            " and worse than the stable over the same window (exact tests on the requests over the objective)"
+        ),
+    )
     max_inconclusive: int = Field(
         default=10,
         alias="maxInconclusive",

@@ -122,6 +122,13 @@ class LedgerEntry(_Model):
     outcome: str | None = None
     stable_value: float | None = Field(default=None, alias="stableValue")
     stable_samples: float | None = Field(default=None, alias="stableSamples")
+    # The verdict's counts and tests: the share of requests over the objective (or errors) on
+    # each track, and how sure the tests were that the canary is worse than the stable and
+    # over its budget (set when the canary breached).
+    bad_fraction: float | None = Field(default=None, alias="badFraction")
+    stable_bad_fraction: float | None = Field(default=None, alias="stableBadFraction")
+    confidence_worse: float | None = Field(default=None, alias="confidenceWorse")
+    confidence_over_budget: float | None = Field(default=None, alias="confidenceOverBudget")
 
 
 HistoryOutcome = Literal["Promoted", "RolledBack", "Superseded", "Aborted"]
@@ -159,6 +166,10 @@ class RolloutState(_Model):
     last_analysis_at: datetime | None = Field(default=None, alias="lastAnalysisAt")
     passed_lanes: list[str] = Field(default_factory=list, alias="passedLanes")
     paused_at: datetime | None = Field(default=None, alias="pausedAt")
+    evidence: dict[str, list[list[float]]] = Field(
+        default_factory=dict,
+        description="the canary's tally: [bad events, requests] per analysed sub-window, by lane/metric/track",
+    )
 
 
 class LaneSummary(_Model):

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from collections.abc import Mapping, Sequence
 from datetime import UTC, datetime
 from typing import Any
@@ -9,6 +10,8 @@ from typing import Any
 import pytest
 
 from batchpilot_operator.analysis import (
+    SLICES,
+    TALLY_SLICES,
     AnalysisResult,
     Measurement,
     MetricsBackend,
@@ -49,7 +52,11 @@ def test_queries_are_exactly_the_documented_promql() -> None:
         f" / sum(rate(batchpilot_requests_total{{{served}}}[30s]))"
     )
     assert err.samples == f"sum(increase(batchpilot_requests_total{{{served}}}[30s]))"
-    assert q.all() == [lat.value, lat.samples, qa.value, qa.samples, err.value, err.samples]
+    # The bad events: the buckets by le (the count over a threshold is read from them), errors.
+    assert lat.bad == f"sum by (le) (increase(batchpilot_request_latency_seconds_bucket{{{SEL}}}[30s]))"
+    assert qa.bad == f"sum by (le) (increase(batchpilot_queue_age_seconds_bucket{{{SEL}}}[30s]))"
+    assert err.bad == f"sum(increase(batchpilot_requests_total{{{errors}}}[30s])) or vector(0)"
+    assert q.all() == [lat.value, lat.samples, lat.bad, qa.value, qa.samples, qa.bad, err.value, err.samples, err.bad]
     with pytest.raises(KeyError):
         q.metric("nope")  # type: ignore[arg-type]
 
@@ -90,44 +97,64 @@ def test_plan_queries_covers_both_tracks_and_all_lanes() -> None:
 def _measure(
     value: float | None,
     samples: float | None,
+    bad: float | None = None,
     *,
     value_error: str | None = None,
     samples_error: str | None = None,
 ) -> tuple[Any, dict[str, Measurement]]:
     q = build_queries(policy="chat", namespace="ml", track="canary", revision="abc123", lane="interactive", window=30)
     lat = q.metric("p99Latency")
+    n = samples or 0.0
+    k = bad if bad is not None else (n if value is not None and value > 0.2 else 0.0)
     return q, {
         lat.value: Measurement(lat.value, value=value, error=value_error),
         lat.samples: Measurement(lat.samples, value=samples, error=samples_error),
+        lat.bad: Measurement(lat.bad, buckets=((0.1, n - k), (0.3, n - k), (math.inf, n)) if samples else ()),
     }
 
 
 @pytest.mark.parametrize(
-    ("value", "samples", "errors", "outcome"),
+    ("value", "samples", "bad", "errors", "outcome"),
     [
-        (0.15, 100, {}, Outcome.SUCCESSFUL),
-        (0.2, 100, {}, Outcome.SUCCESSFUL),  # at the SLO is within it
-        (0.2001, 100, {}, Outcome.FAILED),
-        (5.0, 50, {}, Outcome.FAILED),  # exactly minSamples is enough
-        (5.0, 49.9, {}, Outcome.INCONCLUSIVE),  # thin traffic never fails
-        (5.0, 0, {}, Outcome.INCONCLUSIVE),
-        (None, None, {}, Outcome.INCONCLUSIVE),  # no series at all
-        (float("nan"), float("nan"), {}, Outcome.INCONCLUSIVE),
-        (None, 500, {}, Outcome.INCONCLUSIVE),  # samples but no quantile: no data
-        (float("inf"), 500, {}, Outcome.FAILED),  # quantile in the +Inf bucket is a breach
-        (0.1, 100, {"value_error": "timeout"}, Outcome.ERROR),
-        (0.1, 100, {"samples_error": "HTTP 503"}, Outcome.ERROR),
+        (0.15, 100, 0, {}, Outcome.SUCCESSFUL),
+        (0.2, 100, 1, {}, Outcome.SUCCESSFUL),  # 1% over the SLO is within a p99 objective
+        (0.2001, 100, 2, {}, Outcome.FAILED),  # on its own: over budget (the comparison is judge's)
+        (5.0, 50, 50, {}, Outcome.FAILED),  # exactly minSamples is enough
+        (5.0, 49.9, 49.9, {}, Outcome.INCONCLUSIVE),  # thin traffic never fails
+        (5.0, 0, 0, {}, Outcome.INCONCLUSIVE),
+        (None, None, None, {}, Outcome.INCONCLUSIVE),  # no series at all
+        (float("nan"), float("nan"), None, {}, Outcome.INCONCLUSIVE),
+        (None, 500, 0, {}, Outcome.INCONCLUSIVE),  # samples but no quantile: no data
+        (float("inf"), 500, 500, {}, Outcome.FAILED),  # quantile in the +Inf bucket is a breach
+        (0.1, 100, 0, {"value_error": "timeout"}, Outcome.ERROR),
+        (0.1, 100, 0, {"samples_error": "HTTP 503"}, Outcome.ERROR),
     ],
 )
 def test_check_metric_table(
-    value: float | None, samples: float | None, errors: dict[str, str], outcome: Outcome
+    value: float | None, samples: float | None, bad: float | None, errors: dict[str, str], outcome: Outcome
 ) -> None:
-    q, ms = _measure(value, samples, **errors)
+    q, ms = _measure(value, samples, bad, **errors)
     c = check_metric(queries=q, metric="p99Latency", measurements=ms, threshold=0.2, min_samples=50)
     assert c.outcome is outcome
     assert c.query == q.metric("p99Latency").value and c.threshold == 0.2
     if outcome is Outcome.ERROR:
         assert c.error is not None and "query error" in c.describe()
+
+
+def test_check_metric_counts_bad_events_from_the_buckets_like_histogram_quantile() -> None:
+    # 1000 requests: 985 at or under 0.1s, 1000 at or under 0.3s. An SLO of 0.2s sits halfway
+    # through the (0.1, 0.3] bucket: 7.5 of its 15 count as over -> 0.75% -> within a p99.
+    q = build_queries(policy="chat", namespace="ml", track="canary", revision="abc123", lane="interactive", window=30)
+    lat = q.metric("p99Latency")
+    ms = {
+        lat.value: Measurement(lat.value, value=0.17),
+        lat.samples: Measurement(lat.samples, value=1000.0),
+        lat.bad: Measurement(lat.bad, buckets=((0.1, 985.0), (0.3, 1000.0), (math.inf, 1000.0))),
+    }
+    c = check_metric(queries=q, metric="p99Latency", measurements=ms, threshold=0.2, min_samples=50)
+    assert c.bad == pytest.approx(7.5) and c.outcome is Outcome.SUCCESSFUL
+    c = check_metric(queries=q, metric="p99Latency", measurements=ms, threshold=0.11, min_samples=50)
+    assert c.bad == pytest.approx(14.25) and c.outcome is Outcome.FAILED  # 1.4% over 0.11s
 
 
 def test_missing_measurement_is_an_error() -> None:
@@ -150,16 +177,27 @@ def test_combine_precedence(outcomes: list[Outcome], combined: Outcome) -> None:
     assert combine(outcomes) is combined
 
 
-class DictBackend:
-    """A fake MetricsBackend: values by (track, lane, metric) and which kind of query."""
+Row = tuple[float | None, float | None, float | None]
+"""(value people read, requests, bad events among them)."""
 
-    def __init__(self, table: Mapping[tuple[str, str, str], tuple[float | None, float | None]], fail: bool = False):
+
+class DictBackend:
+    """A fake MetricsBackend: (value, samples, bad events) by (track, lane, metric); each of
+    the 5 sub-windows gets a fifth of the counts (evenly spread: no bursts).
+
+    Histogram ``bad`` queries get two buckets whose only finite bound (1us) lies below every
+    threshold, so exactly ``bad`` observations count as over it.
+    """
+
+    def __init__(self, table: Mapping[tuple[str, str, str], Row], fail: bool = False):
         self.table = table
         self.fail = fail
         self.calls: list[list[str]] = []
+        self.at: list[float | None] = []
 
-    def measure(self, queries: Sequence[str]) -> Mapping[str, Measurement]:
+    def measure(self, queries: Sequence[str], at: float | None = None) -> Mapping[str, Measurement]:
         self.calls.append(list(queries))
+        self.at.append(at)
         out: dict[str, Measurement] = {}
         for query in queries:
             if self.fail:
@@ -168,27 +206,34 @@ class DictBackend:
             track = "stable" if 'track="stable"' in query else "canary"
             lane = "background" if 'lane="background"' in query else "interactive"
             metric = "queueAge" if "queue_age" in query else "errorRate" if "requests_total" in query else "p99Latency"
-            value, samples = self.table.get((track, lane, metric), (None, None))
-            out[query] = Measurement(query, value=samples if query.startswith("sum(increase") else value)
+            value, samples, bad = self.table.get((track, lane, metric), (None, None, None))
+            if "[6s]" in query:  # a sub-window (30s / 5): its fifth of the counts
+                samples = None if samples is None else samples / SLICES
+                bad = None if bad is None else bad / SLICES
+            if query.startswith("sum by (le)"):
+                n, k = samples or 0.0, bad or 0.0
+                out[query] = Measurement(query, buckets=((1e-6, n - k), (math.inf, n)) if samples else ())
+            elif query.startswith("sum(increase(batchpilot_requests_total") and "outcome=~" in query:
+                out[query] = Measurement(query, value=bad)
+            else:
+                out[query] = Measurement(query, value=samples if query.startswith("sum(increase") else value)
         return out
 
 
-def _table(
-    **over: tuple[float | None, float | None],
-) -> dict[tuple[str, str, str], tuple[float | None, float | None]]:
-    base: dict[tuple[str, str, str], tuple[float | None, float | None]] = {
-        ("canary", "interactive", "p99Latency"): (0.12, 300.0),
-        ("canary", "interactive", "queueAge"): (0.004, 300.0),
-        ("canary", "interactive", "errorRate"): (0.0, 300.0),
-        ("canary", "background", "p99Latency"): (1.2, 80.0),
-        ("canary", "background", "queueAge"): (0.3, 80.0),
-        ("canary", "background", "errorRate"): (0.005, 80.0),
-        ("stable", "interactive", "p99Latency"): (0.1, 900.0),
-        ("stable", "interactive", "queueAge"): (0.003, 900.0),
-        ("stable", "interactive", "errorRate"): (0.0, 900.0),
-        ("stable", "background", "p99Latency"): (1.0, 240.0),
-        ("stable", "background", "queueAge"): (0.2, 240.0),
-        ("stable", "background", "errorRate"): (0.0, 240.0),
+def _table(**over: Row) -> dict[tuple[str, str, str], Row]:
+    base: dict[tuple[str, str, str], Row] = {
+        ("canary", "interactive", "p99Latency"): (0.12, 300.0, 1.0),
+        ("canary", "interactive", "queueAge"): (0.004, 300.0, 0.0),
+        ("canary", "interactive", "errorRate"): (0.0, 300.0, 0.0),
+        ("canary", "background", "p99Latency"): (1.2, 80.0, 0.0),
+        ("canary", "background", "queueAge"): (0.3, 80.0, 0.0),
+        ("canary", "background", "errorRate"): (0.0, 80.0, 0.0),
+        ("stable", "interactive", "p99Latency"): (0.1, 900.0, 2.0),
+        ("stable", "interactive", "queueAge"): (0.003, 900.0, 0.0),
+        ("stable", "interactive", "errorRate"): (0.0, 900.0, 0.0),
+        ("stable", "background", "p99Latency"): (1.0, 240.0, 0.0),
+        ("stable", "background", "queueAge"): (0.2, 240.0, 0.0),
+        ("stable", "background", "errorRate"): (0.0, 240.0, 0.0),
     }
     for key, v in over.items():
         track, lane, metric = key.split("__")
@@ -211,7 +256,12 @@ def _analyse(backend: MetricsBackend, spec: PolicySpec | None = None) -> Analysi
 def test_run_analysis_all_lanes_successful_with_stable_evidence() -> None:
     backend = DictBackend(_table())
     result = _analyse(backend)
-    assert len(backend.calls) == 1 and len(backend.calls[0]) == 24  # 2 lanes x 2 tracks x 3 metrics x 2
+    # The window (2 lanes x 2 tracks x 3 metrics x 3 queries), then the samples and bad-event
+    # queries over each of the 5 sub-windows of 6s, evaluated at the end of each.
+    assert [len(c) for c in backend.calls] == [36] + [24] * SLICES
+    assert all("[6s]" in q for c in backend.calls[1:] for q in c)
+    end = NOW.timestamp()
+    assert backend.at == [end, end - 24, end - 18, end - 12, end - 6, end]
     assert result.outcome is Outcome.SUCCESSFUL
     assert [lane.lane for lane in result.lanes] == ["interactive", "background"]
     bg = result.lanes[1]
@@ -222,65 +272,119 @@ def test_run_analysis_all_lanes_successful_with_stable_evidence() -> None:
     stable = bg.check("p99Latency", "stable")
     assert stable is not None and stable.value == 1.0 and stable.samples == 240.0
     assert result.window == "30s" and result.time == NOW
-    assert "lane interactive p99Latency: 0.12s <= 0.2s (300 samples)" in result.evidence()
+    assert "lane interactive p99 latency: 0.12s <= 0.2s (300 requests)" in result.evidence()
 
 
 def test_one_lane_failing_fails_the_analysis_and_evidence_names_it() -> None:
-    result = _analyse(DictBackend(_table(canary__background__queueAge=(0.9, 80.0))))
+    result = _analyse(DictBackend(_table(canary__background__queueAge=(0.9, 80.0, 20.0))))
     assert result.outcome is Outcome.FAILED
     assert [lane.outcome for lane in result.lanes] == [Outcome.SUCCESSFUL, Outcome.FAILED]
-    assert result.evidence(only=[Outcome.FAILED]) == "lane background queueAge: 0.9s > 0.5s (80 samples)"
+    evidence = result.evidence(only=[Outcome.FAILED])
+    assert evidence.startswith(
+        "lane background p99 queue age: canary 0.9s > 0.5s vs stable 0.2s; "
+        "25% of 80 requests queued longer than maxQueueAge vs 0% of 240 on stable; "
+        "worse than stable with >99.99% confidence, over its 1% budget with >99.99% confidence"
+    ), evidence
 
 
 def test_canary_shedding_load_fails_on_error_rate_while_fast() -> None:
     # A queue bound too small for the bursts: the requests it serves are fast, 12% get a 429.
-    result = _analyse(DictBackend(_table(canary__interactive__errorRate=(0.12, 300.0))))
+    result = _analyse(DictBackend(_table(canary__interactive__errorRate=(0.12, 300.0, 36.0))))
     assert result.outcome is Outcome.FAILED
     failed = [c for lane in result.lanes for c in lane.canary if c.outcome is Outcome.FAILED]
     assert [(c.lane, c.metric, c.threshold) for c in failed] == [("interactive", "errorRate", 0.01)]
-    assert result.evidence(only=[Outcome.FAILED]) == "lane interactive errorRate: 12% > 1% (300 samples)"
+    assert "12% of 300 requests errors vs 0% of 900 on stable" in result.evidence(only=[Outcome.FAILED])
     # At the default budget exactly (1%) it passes; a lane SLO can allow more.
-    assert _analyse(DictBackend(_table(canary__interactive__errorRate=(0.01, 300.0)))).outcome is Outcome.SUCCESSFUL
+    assert _analyse(DictBackend(_table(canary__interactive__errorRate=(0.01, 300.0, 3.0)))).outcome is (
+        Outcome.SUCCESSFUL
+    )
     lenient = make_spec(lanes=2).model_copy(
         update={"slo": make_spec(lanes=2).slo.model_copy(update={"max_error_rate": 0.2})}
     )  # fmt: skip
-    assert _analyse(DictBackend(_table(canary__interactive__errorRate=(0.12, 300.0))), lenient).outcome is (
+    assert _analyse(DictBackend(_table(canary__interactive__errorRate=(0.12, 300.0, 36.0))), lenient).outcome is (
         Outcome.SUCCESSFUL
     )
     # Both tracks shedding alike (overload, not the change): not the canary's doing.
-    both = _table(canary__interactive__errorRate=(0.12, 300.0), stable__interactive__errorRate=(0.115, 900.0))
+    both = _table(
+        canary__interactive__errorRate=(0.12, 300.0, 36.0), stable__interactive__errorRate=(0.115, 900.0, 103.5)
+    )
     shared = _analyse(DictBackend(both)).lanes[0].check("errorRate")
     assert shared is not None and shared.outcome is Outcome.INCONCLUSIVE
-    assert "stable track breaches too (11.5%" in shared.describe()
+    assert "the stable track breaches too: not clearly the canary's doing" in shared.describe()
 
 
 def test_thin_lane_is_inconclusive_even_when_breaching() -> None:
-    result = _analyse(DictBackend(_table(canary__background__p99Latency=(9.0, 10.0))))
+    result = _analyse(DictBackend(_table(canary__background__p99Latency=(9.0, 10.0, 10.0))))
     assert result.outcome is Outcome.INCONCLUSIVE
     assert result.lanes[0].outcome is Outcome.SUCCESSFUL
     assert "too few" in result.evidence(only=[Outcome.INCONCLUSIVE])
 
 
-def test_stable_track_never_decides() -> None:
-    # the stable track far over its SLO, or with no data, does not change the canary verdict
-    table = _table(stable__interactive__p99Latency=(5.0, 900.0), stable__background__queueAge=(None, None))
+def test_stable_track_never_decides_alone() -> None:
+    # the stable track far over its SLO, or with no data, does not fail a canary that meets it
+    table = _table(stable__interactive__p99Latency=(5.0, 900.0, 900.0), stable__background__queueAge=(None, None, None))
     assert _analyse(DictBackend(table)).outcome is Outcome.SUCCESSFUL
 
 
-def test_canary_breaching_like_the_stable_is_inconclusive_not_failed() -> None:
-    # A burst hits both tracks: the canary (0.30s) is within 10% of a stable that breaches too
-    # (0.29s) -> not the canary's doing. Measurably worse than the stable -> Failed as usual.
-    shared = _table(canary__interactive__p99Latency=(0.30, 300.0), stable__interactive__p99Latency=(0.29, 900.0))
-    result = _analyse(DictBackend(shared))
-    assert result.outcome is Outcome.INCONCLUSIVE
-    check = result.lanes[0].check("p99Latency")
-    assert check is not None and check.outcome is Outcome.INCONCLUSIVE
-    assert "stable track breaches too (0.29s" in check.describe()
-    worse = _table(canary__interactive__p99Latency=(0.40, 300.0), stable__interactive__p99Latency=(0.29, 900.0))
-    assert _analyse(DictBackend(worse)).outcome is Outcome.FAILED
-    # A stable with too few samples excuses nothing.
-    thin = _table(canary__interactive__p99Latency=(0.30, 300.0), stable__interactive__p99Latency=(0.35, 10.0))
-    assert _analyse(DictBackend(thin)).outcome is Outcome.FAILED
+def _judged(canary: Row, stable: Row | None, confidence: float = 0.95) -> Any:
+    spec = make_spec(lanes=2, confidence=confidence)
+    over = {"canary__interactive__p99Latency": canary}
+    if stable is not None:
+        over["stable__interactive__p99Latency"] = stable
+    table = _table(**over)
+    if stable is None:
+        del table[("stable", "interactive", "p99Latency")]
+    check = _analyse(DictBackend(table), spec).lanes[0].check("p99Latency")
+    assert check is not None
+    return check
+
+
+@pytest.mark.parametrize(
+    ("canary", "stable", "outcome", "why"),
+    [
+        # identical distributions, both breaching in a burst: not the canary's doing
+        ((0.3, 300.0, 30.0), (0.3, 900.0, 90.0), Outcome.INCONCLUSIVE, "stable track breaches too"),
+        # a burst that landed a little harder on the canary's pod: 12% vs 9% is chance at this size
+        ((0.35, 300.0, 36.0), (0.3, 900.0, 81.0), Outcome.INCONCLUSIVE, "stable track breaches too"),
+        # the same burst, clearly worse on the canary: 25% vs 9%
+        ((0.5, 300.0, 75.0), (0.3, 900.0, 81.0), Outcome.FAILED, None),
+        # a stable that meets the SLO and a canary far over it
+        ((0.5, 300.0, 60.0), (0.1, 900.0, 3.0), Outcome.FAILED, None),
+        # one huge outlier among 300 requests: 0.33% over, a p99 within the SLO
+        ((0.12, 300.0, 1.0), (0.1, 900.0, 0.0), Outcome.SUCCESSFUL, None),
+        # two outliers among 120 requests: 1.7% over (a breach by the point) but thin evidence
+        ((0.25, 120.0, 2.0), (0.1, 900.0, 0.0), Outcome.INCONCLUSIVE, "a breach this thin"),
+        # no stable measurement (first window of a thin stable): the budget test alone decides
+        ((0.5, 300.0, 60.0), None, Outcome.FAILED, None),
+        ((0.25, 120.0, 2.0), None, Outcome.INCONCLUSIVE, "a breach this thin"),
+        # a stable with too few samples is no baseline: the budget test alone decides
+        ((0.3, 300.0, 30.0), (0.35, 10.0, 2.0), Outcome.FAILED, None),
+        # a slightly worse canary that both breach: not clearly worse than a breaching stable
+        ((0.22, 300.0, 6.0), (0.21, 900.0, 12.0), Outcome.INCONCLUSIVE, "a breach this thin"),
+        # empty buckets (no requests in the window on the canary)
+        ((None, 0.0, 0.0), (0.1, 900.0, 0.0), Outcome.INCONCLUSIVE, None),
+    ],
+)
+def test_verdict_table(canary: Row, stable: Row | None, outcome: Outcome, why: str | None) -> None:
+    check = _judged(canary, stable)
+    assert check.outcome is outcome, check.describe()
+    if why is not None:
+        assert why in check.describe()
+    if outcome is Outcome.FAILED:
+        assert check.confidence_over_budget is not None and check.confidence_over_budget >= 0.95
+        if stable is not None and (stable[1] or 0) >= 50:
+            assert check.confidence_worse is not None and check.confidence_worse >= 0.95
+
+
+def test_confidence_is_the_policys_knob() -> None:
+    # 12 of 300 over the SLO (4%) against 12 of 900 on the stable (1.3%): worse with ~99.6%
+    # confidence. Failed at the default 95% and at 99%, Inconclusive at 99.9%.
+    canary, stable = (0.3, 300.0, 12.0), (0.2, 900.0, 12.0)
+    assert _judged(canary, stable).outcome is Outcome.FAILED
+    assert _judged(canary, stable, confidence=0.99).outcome is Outcome.FAILED
+    strict = _judged(canary, stable, confidence=0.999)
+    assert strict.outcome is Outcome.INCONCLUSIVE and "needs 99.9% confidence" in strict.describe()
+    assert strict.confidence_worse is not None and 0.99 < strict.confidence_worse < 0.999
 
 
 def test_unreachable_backend_is_error() -> None:
@@ -293,3 +397,40 @@ def test_verdicts_skips_lanes_without_queries() -> None:
     spec = make_spec(lanes=2)
     lqs = [q for q in plan_queries(spec, policy="p", namespace="n", canary_revision="c", stable_revision=None)]
     assert [v.lane for v in verdicts(spec, lqs[:1], {})] == ["interactive"]
+
+
+def test_the_tally_carries_earlier_analyses_and_decides() -> None:
+    # A canary 2% over the SLO in every window: one window of 300 requests cannot show that it
+    # is over the 1% budget with 95% confidence; with the tally of three earlier windows (in
+    # status.rollout.evidence) it can.
+    spec = make_spec(lanes=1)
+    table = _table(canary__interactive__p99Latency=(0.25, 300.0, 6.0))
+    first = _analyse(DictBackend(table), spec)
+    check = first.lanes[0].check("p99Latency")
+    assert check is not None and check.outcome is Outcome.INCONCLUSIVE, check.describe()
+    key = "interactive/p99Latency/canary"
+    assert [pytest.approx([1.2, 60.0])] * SLICES == first.tally[key]
+    history = {k: v * 3 for k, v in first.tally.items()}  # as if three such windows came before
+    later = run_analysis(
+        DictBackend(table),
+        spec,
+        policy="chat",
+        namespace="ml",
+        canary_revision="c1",
+        stable_revision="s0",
+        now=NOW,
+        history=history,
+    )
+    check = later.lanes[0].check("p99Latency")
+    assert check is not None and check.outcome is Outcome.FAILED, check.describe()
+    assert check.tally == pytest.approx((24.0, 1200.0))
+    assert "2% of 1200 requests slower than the SLO" in check.describe()
+    assert "(this and earlier analyses)" in check.describe()
+    assert len(later.tally[key]) == 4 * SLICES
+    # The tally is bounded: the oldest sub-windows fall out.
+    long = {k: v * 20 for k, v in first.tally.items()}
+    bounded = run_analysis(
+        DictBackend(table), spec, policy="chat", namespace="ml", canary_revision="c1", stable_revision="s0", now=NOW,
+        history=long,
+    )  # fmt: skip
+    assert len(bounded.tally[key]) == TALLY_SLICES

@@ -161,6 +161,12 @@ def test_canary_promotes_good_change_and_rolls_back_bad_one(scenario: Scenario) 
     assert failed, rolled["ledger"]
     assert all(e["value"] > e["threshold"] for e in failed)
     assert {e["metric"] for e in failed} == {"p99Latency", "queueAge"}
+    # Each Failed entry carries the verdict's evidence: the share of requests over the
+    # objective on both tracks and the confidence of both tests, in words and as fields.
+    for e in failed:
+        assert e["badFraction"] > 0.01 and e["stableBadFraction"] < e["badFraction"], e
+        assert e["confidenceOverBudget"] >= 0.95 and e["confidenceWorse"] >= 0.95, e
+        assert "worse than stable with" in e["evidence"] and "confidence" in e["evidence"], e
     rollback = next(e for e in reversed(rolled["ledger"]) if e.get("kind") == "RolledBack")
     analyses = [e for e in rolled["ledger"] if e.get("revision") == bad and e.get("outcome") == "Failed"]
     first_breach = min(ts(e["time"]) for e in analyses)

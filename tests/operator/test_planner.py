@@ -8,12 +8,20 @@ the real verdict code (``analysis.verdicts``) from fake measurements.
 from __future__ import annotations
 
 import copy
+import math
 from datetime import UTC, datetime, timedelta
 from typing import Any
 
 import pytest
 
-from batchpilot_operator.analysis import AnalysisResult, Measurement, plan_queries, promql_window, verdicts
+from batchpilot_operator.analysis import (
+    AnalysisResult,
+    Measurement,
+    lane_thresholds,
+    plan_queries,
+    promql_window,
+    verdicts,
+)
 from batchpilot_operator.planner import (
     CANARY_READY_DEADLINE,
     POLL_SECONDS,
@@ -58,6 +66,7 @@ def measured(
     lqs = plan_queries(spec, policy=POLICY, namespace=NS, canary_revision=canary, stable_revision=stable)
     ms: dict[str, Measurement] = {}
     for lq in lqs:
+        thresholds = lane_thresholds(spec, lq.lane)
         o = (per_lane or {}).get(lq.lane, {})
         lane_p99 = o.get("p99", p99)
         lane_qa = o.get("queue_age", queue_age)
@@ -69,11 +78,19 @@ def measured(
         for m in lq.metrics:
             value = {"p99Latency": lane_p99, "queueAge": lane_qa, "errorRate": lane_err}[m.metric]
             if lane_error:
-                ms[m.value] = Measurement(m.value, error="prometheus unreachable")
-                ms[m.samples] = Measurement(m.samples, error="prometheus unreachable")
+                for q in (m.value, m.samples, m.bad):
+                    ms[q] = Measurement(q, error="prometheus unreachable")
+                continue
+            ms[m.value] = Measurement(m.value, value=value)
+            ms[m.samples] = Measurement(m.samples, value=lane_samples)
+            # The bad events behind the value: half the requests over a breached latency
+            # objective (a clear breach), the error rate's share of errors.
+            n = lane_samples if lane_samples == lane_samples else 0.0  # NaN: no data
+            if m.metric == "errorRate":
+                ms[m.bad] = Measurement(m.bad, value=value * n if value == value else None)
             else:
-                ms[m.value] = Measurement(m.value, value=value)
-                ms[m.samples] = Measurement(m.samples, value=lane_samples)
+                k = n / 2 if value == value and value > thresholds[m.metric] else 0.0
+                ms[m.bad] = Measurement(m.bad, buckets=((thresholds[m.metric], n - k), (math.inf, n)))
     return AnalysisResult(
         time=now,
         window=promql_window(spec.rollout.analysis_interval),
@@ -425,7 +442,7 @@ def test_queue_age_breach_fails_too() -> None:
     start_canary(sim, at(0), make_spec(batch=16, failureLimit=1))
     d = sim.tick(at(30), queue_age=0.3)
     assert d.status.phase is Phase.ROLLED_BACK
-    assert "queueAge" in d.status.message
+    assert "queue age: canary 0.3s > 0.05s" in d.status.message
 
 
 def test_error_rate_breach_fails_a_fast_canary() -> None:
@@ -439,7 +456,7 @@ def test_error_rate_breach_fails_a_fast_canary() -> None:
     assert lane is not None and (lane.error_rate, lane.max_error_rate, lane.requests) == (0.05, 0.01, 500)
     d = sim.tick(at(60), error_rate=0.05)
     assert d.status.phase is Phase.ROLLED_BACK
-    assert "errorRate: 5% > 1%" in d.status.message
+    assert "error rate: canary 5% > 1%" in d.status.message
     failed = [e for e in d.status.ledger if e.kind == "Analysis" and e.outcome == "Failed"]
     assert {e.metric for e in failed} == {"errorRate"} and all(e.value == 0.05 for e in failed)
 

@@ -13,6 +13,7 @@ scrape, so the bucket ratios (and the p99 from ``histogram_quantile``) are exact
 
 from __future__ import annotations
 
+import math
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -121,7 +122,9 @@ def spec(window: str = "10s") -> PolicySpec:
                     "requestTimeout": "1s",
                 }
             ],
-            "slo": {"p99Latency": "200ms", "maxQueueAge": "50ms"},
+            # 120ms: 8.7% of the synthetic canary's requests lie over it (interpolated inside
+            # its (0.1, 0.25] bucket), a breach 80 requests can show with confidence.
+            "slo": {"p99Latency": "120ms", "maxQueueAge": "50ms"},
             "rollout": {"analysisInterval": window, "minSamples": 20},
         }
     )
@@ -157,13 +160,22 @@ def test_backend_measures_p99_and_samples_from_real_prometheus(
     err = q.metric("errorRate")
     assert got[err.value].value == pytest.approx(EXPECTED_ERROR_RATE, rel=1e-6)
     assert got[err.samples].value == pytest.approx(0.9 * (got[lat.samples].value or 0), rel=1e-6)
+    # The bad-event queries: the buckets by le (cumulative, +Inf = the count), and the errors.
+    buckets = got[lat.bad].buckets
+    assert buckets is not None and buckets[-1][0] == math.inf and len(buckets) == 4, buckets
+    assert buckets[-1][1] == pytest.approx(got[lat.samples].value or 0, rel=1e-6)
+    assert [c for _, c in buckets] == sorted(c for _, c in buckets)
+    assert got[err.bad].value == pytest.approx(EXPECTED_ERROR_RATE * (got[err.samples].value or 0), rel=1e-6)
 
     # no series for another revision: no data (None), not an error
     other = build_queries(policy="chat", namespace="ml", track="canary", revision="zz", lane="interactive", window=10)
     none = backend.measure(other.all())
-    assert all(m.error is None and m.value is None for m in none.values())
+    # (the error count alone answers 0: "or vector(0)" makes a missing error series no errors)
+    no_errors = other.metric("errorRate").bad
+    assert all(m.error is None and m.value is None and not m.buckets for q, m in none.items() if q != no_errors)
+    assert none[no_errors].value == 0
 
-    # the verdict end to end: canary p99 0.235s > SLO 200ms with enough samples -> Failed;
+    # the verdict end to end: canary p99 0.235s > SLO 120ms with enough samples -> Failed;
     # the stable track's (5x lower) values come back as evidence
     wait_samples(
         prometheus,

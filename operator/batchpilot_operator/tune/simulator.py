@@ -188,6 +188,23 @@ def _check_table(settings: LaneSettings, exec_table: Sequence[float]) -> None:
         )
 
 
+@dataclass(frozen=True)
+class RequestRecord:
+    """One request's fate in :func:`simulate_requests`: ``outcome`` is ``ok``,
+    ``rejected_full`` (dropped at admission) or ``timed_out``; ``latency`` (None when
+    dropped) and ``queue_age`` (dispatch - arrival; the timeout when timed out; None when
+    dropped) in seconds; ``done`` is when the runtime answered."""
+
+    arrival: float
+    outcome: Literal["ok", "rejected_full", "timed_out"]
+    latency: float | None
+    queue_age: float | None
+
+    @property
+    def done(self) -> float:
+        return self.arrival + (self.latency or 0.0)
+
+
 def _exact_replica(
     arr: Sequence[float],
     s: LaneSettings,
@@ -195,8 +212,10 @@ def _exact_replica(
     overhead: float,
     out: SimResult,
     scale: Sequence[float] | None = None,
+    records: list[RequestRecord] | None = None,
 ) -> float:
-    """Event-by-event engine for one replica. Returns the replica's last event time."""
+    """Event-by-event engine for one replica. Returns the replica's last event time.
+    With ``records``, every request's fate is appended to it as well."""
     B, W, L, TO = s.max_batch_size, s.max_queue_delay, s.max_queue_length, s.request_timeout
     queue: deque[float] = deque()
     free = -math.inf
@@ -207,9 +226,11 @@ def _exact_replica(
     def expire(now: float) -> None:
         # FIFO with one timeout: the rows that expire first are at the head.
         while queue and queue[0] + TO <= now:
-            queue.popleft()
+            a = queue.popleft()
             out.timeouts += 1
             out.queue_waits.append(TO)
+            if records is not None:
+                records.append(RequestRecord(a, "timed_out", TO + overhead, TO))
 
     while nxt < n or queue:
         if not queue:
@@ -229,6 +250,8 @@ def _exact_replica(
             expire(x)
             if len(queue) >= L:
                 out.dropped += 1
+                if records is not None:
+                    records.append(RequestRecord(x, "rejected_full", None, None))
             else:
                 queue.append(x)
             continue
@@ -247,6 +270,8 @@ def _exact_replica(
         for a in members:
             out.queue_waits.append(t - a)
             out.latencies.append(done - a + overhead)
+            if records is not None:
+                records.append(RequestRecord(a, "ok", done - a + overhead, t - a))
         free = done
         last = max(last, done)
     return last
@@ -348,6 +373,22 @@ def simulate(
         last = max(last, end)
     result.span = last - (arrivals[0] if arrivals else 0.0)
     return result
+
+
+def simulate_requests(
+    arrivals: Sequence[float],
+    settings: LaneSettings,
+    exec_table: Sequence[float],
+    request_overhead: float = 0.0,
+    exec_scale: Sequence[float] | None = None,
+) -> list[RequestRecord]:
+    """One replica, request by request (the exact engine): every request's outcome, latency
+    and queue age, in the order the runtime answered them. For studies that need the time
+    structure (bench/canary_eval.py windows them as Prometheus would)."""
+    _check_table(settings, exec_table)
+    records: list[RequestRecord] = []
+    _exact_replica(arrivals, settings, exec_table, request_overhead, SimResult(len(arrivals)), exec_scale, records)
+    return records
 
 
 def simulate_exact(
