@@ -66,6 +66,7 @@ an Error outranks Inconclusive because "we could not look" must follow
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
@@ -517,7 +518,7 @@ def judge(
             clustered_greater(canary_slices, paired) if canary_slices and paired else None,
         )
     note = None
-    if over < confidence:
+    if worse is None and over < confidence:
         note = f"a breach this thin is not conclusive (needs {format_confidence(confidence)} confidence)"
     elif worse is not None and worse < confidence:
         note = (
@@ -656,59 +657,118 @@ def verdicts(
     return tuple(result)
 
 
-def slice_queries(
-    spec: PolicySpec, lane_queries: Sequence[LaneQueries], *, policy: str, namespace: str
-) -> list[LaneQueries]:
-    """The same queries over one sub-window (``analysisInterval / SLICES``) of each lane/track;
-    evaluated at the window's end and at each earlier sub-window boundary."""
-    window = spec.rollout.analysis_interval / SLICES
-    return [
-        build_queries(
-            policy=policy, namespace=namespace, track=lq.track, revision=lq.revision, lane=lq.lane, window=window
+@dataclass(frozen=True)
+class CounterQueries:
+    """The raw cumulative counters of one metric of one (track, lane): the requests and the
+    bad events (buckets by ``le``, or the error count). Read at the boundaries of the
+    sub-windows, their differences are each sub-window's counts."""
+
+    track: Track
+    lane: str
+    metric: MetricName
+    requests: str
+    bad: str
+
+
+def counter_queries(lane_queries: Sequence[LaneQueries], *, policy: str, namespace: str) -> list[CounterQueries]:
+    out = []
+    for lq in lane_queries:
+        labels = {"namespace": namespace, "policy": policy, "track": lq.track, "revision": lq.revision, "lane": lq.lane}
+        sel = selector(**labels)
+        for metric, hist in _HISTOGRAM.items():
+            out.append(
+                CounterQueries(
+                    lq.track, lq.lane, metric, f"sum({hist}_count{sel})", f"sum by (le) ({hist}_bucket{sel})"
+                )
+            )
+        errors = selector(**labels, extra=f'outcome=~"{"|".join(ERROR_OUTCOMES)}"')
+        served = selector(**labels, extra='outcome!="invalid"')
+        out.append(
+            CounterQueries(
+                lq.track,
+                lq.lane,
+                "errorRate",
+                f"sum({REQUESTS_METRIC}{served})",
+                f"sum({REQUESTS_METRIC}{errors}) or vector(0)",
+            )
         )
-        for lq in lane_queries
-    ]
+    return out
 
 
 SLICE_COVERAGE = 0.8
 """Sub-windows whose requests add up to less than this share of the window's are not used."""
 
 
+def _counter_bad(cq: CounterQueries, m: Measurement) -> float | dict[float, float] | None:
+    if cq.metric == "errorRate":
+        return _finite(m.value) if m.value is not None else 0.0
+    if not m.buckets:
+        return None
+    return dict(m.buckets)
+
+
 def slice_counts(
     spec: PolicySpec,
-    sub_queries: Sequence[LaneQueries],
-    per_slice: Sequence[Mapping[str, Measurement]],
-    window: Sequence[LaneQueries] = (),
-    measurements: Mapping[str, Measurement] | None = None,
+    counters: Sequence[CounterQueries],
+    at_boundaries: Sequence[Mapping[str, Measurement]],
+    totals: Mapping[SliceKey, float] | None = None,
 ) -> dict[SliceKey, Slices]:
-    """(bad events, requests) per sub-window by (track, lane, metric), from one measurement
-    map per sub-window; a sub-window without traffic counts as (0, 0). Left out (the tests
-    fall back to the window's counts, and the tally is not extended): a (track, lane,
-    metric) with a query error, and, given the ``window`` queries and their
-    ``measurements``, one whose sub-windows hold less than :data:`SLICE_COVERAGE` of the
-    window's requests (sub-windows shorter than two scrape intervals come back empty)."""
-    totals: dict[SliceKey, float] = {}
-    for lq in window:
-        for mq in lq.metrics:
-            m = (measurements or {}).get(mq.samples)
-            if m is not None and m.error is None and _finite(m.value):
-                totals[(lq.track, lq.lane, mq.metric)] = m.value or 0.0
+    """(bad events, requests) per sub-window by (track, lane, metric): the differences of the
+    raw counters read at the ``len(at_boundaries)`` sub-window boundaries, oldest first.
+
+    Left out (the tests fall back to the window's counts, and the tally is not extended): a
+    key with a query error or no series at a boundary (no traffic yet), one whose counters
+    went down (a pod restarted or went away inside the window), one with fewer than 3
+    sub-windows holding requests (a window of few scrapes has no spread to measure), and,
+    given the window's request ``totals``, one whose sub-windows hold less than
+    :data:`SLICE_COVERAGE` of them."""
     out: dict[SliceKey, Slices] = {}
-    for lq in sub_queries:
-        thresholds = lane_thresholds(spec, lq.lane)
-        for mq in lq.metrics:
-            counts: list[tuple[float, float]] = []
-            for ms in per_slice:
-                samples_m, bad_m = ms.get(mq.samples), ms.get(mq.bad)
-                if samples_m is None or bad_m is None or samples_m.error or bad_m.error:
+    for cq in counters:
+        key: SliceKey = (cq.track, cq.lane, cq.metric)
+        threshold = lane_thresholds(spec, cq.lane)[cq.metric]
+        reads: list[tuple[float, float | dict[float, float]] | None] = []
+        for ms in at_boundaries:
+            req, bad = ms.get(cq.requests), ms.get(cq.bad)
+            if req is None or bad is None or req.error or bad.error:
+                break
+            b = _counter_bad(cq, bad)
+            # No series yet: the track's pods had not been scraped (a canary that just
+            # started); its counters start at zero.
+            reads.append(None if _finite(req.value) is None or b is None else (req.value or 0.0, b))
+        if len(reads) == len(at_boundaries) and reads and reads[-1] is not None:
+            last = reads[-1][1]
+            zero: float | dict[float, float] = dict.fromkeys(last, 0.0) if isinstance(last, dict) else 0.0
+            first = next(i for i, r in enumerate(reads) if r is not None)
+            if all(r is not None for r in reads[first:]):
+                start: list[tuple[float, float | dict[float, float]] | None] = [(0.0, zero)]
+                reads = start * first + reads[first:]
+        if len(reads) != len(at_boundaries) or len(reads) < 2:
+            continue
+        counts: list[tuple[float, float]] = []
+        for r0, r1 in itertools.pairwise(reads):
+            if r0 is None or r1 is None:
+                break
+            (n0, b0), (n1, b1) = r0, r1
+            n = n1 - n0
+            if isinstance(b0, dict) and isinstance(b1, dict):
+                if b0.keys() != b1.keys():
                     break
-                n = _finite(samples_m.value) or 0.0
-                k = _bad_events(mq.metric, bad_m, thresholds[mq.metric], n) or 0.0
-                counts.append((k, n))
+                diff = tuple((le, b1[le] - b0[le]) for le in sorted(b1))
+                if any(c < 0 for _, c in diff):
+                    break
+                k = count_above(diff, threshold) if diff and n > 0 else 0.0
+            elif not isinstance(b0, dict) and not isinstance(b1, dict):
+                k = b1 - b0
             else:
-                key = (lq.track, lq.lane, mq.metric)
-                if sum(n for _, n in counts) >= SLICE_COVERAGE * totals.get(key, 0.0):
-                    out[key] = tuple(counts)
+                break
+            if n < 0 or k < 0:
+                break
+            counts.append((min(k, n), n))
+        else:
+            busy = sum(1 for _, n in counts if n > 0)
+            total = (totals or {}).get(key, 0.0)
+            if busy >= 3 and sum(n for _, n in counts) >= SLICE_COVERAGE * total:
+                out[key] = tuple(counts)
     return out
 
 
@@ -734,11 +794,17 @@ def run_analysis(
     )
     at = now.timestamp()
     measurements = backend.measure([q for lq in lane_queries for q in lq.all()], at=at)
-    subs = slice_queries(spec, lane_queries, policy=policy, namespace=namespace)
-    sub_list = [q for lq in subs for m in lq.metrics for q in (m.samples, m.bad)]
+    counters = counter_queries(lane_queries, policy=policy, namespace=namespace)
+    raw = [q for cq in counters for q in (cq.requests, cq.bad)]
     step = spec.rollout.analysis_interval / SLICES
-    per_slice = [backend.measure(sub_list, at=at - j * step) for j in reversed(range(SLICES))]
-    counts = slice_counts(spec, subs, per_slice, lane_queries, measurements)
+    boundaries = [backend.measure(raw, at=at - j * step) for j in reversed(range(SLICES + 1))]
+    totals: dict[SliceKey, float] = {
+        (lq.track, lq.lane, mq.metric): measurements[mq.samples].value or 0.0
+        for lq in lane_queries
+        for mq in lq.metrics
+        if mq.samples in measurements and measurements[mq.samples].error is None
+    }
+    counts = slice_counts(spec, counters, boundaries, totals)
     return AnalysisResult(
         time=now,
         window=promql_window(spec.rollout.analysis_interval),

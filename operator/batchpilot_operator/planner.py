@@ -510,9 +510,15 @@ class _Planner:
             self.ledger("MetricsRestored", r.revision, reason=f"analysis {outcome.value}", evidence=f"after {held:g}s")
             self.event("Normal", "MetricsRestored", f"metrics available again after {held:g}s; rollout resumes")
             r.metrics_error_since = None
+        # A lane passes the step with its latest analysis: a breach that is not (yet) proven
+        # (Inconclusive) or a failure takes back an earlier pass, so a canary is never advanced
+        # on one lucky window while its tally says it breaches.
         for lane in a.lanes:
-            if lane.outcome is Outcome.SUCCESSFUL and lane.lane not in r.passed_lanes:
-                r.passed_lanes.append(lane.lane)
+            if lane.outcome is Outcome.SUCCESSFUL:
+                if lane.lane not in r.passed_lanes:
+                    r.passed_lanes.append(lane.lane)
+            elif lane.lane in r.passed_lanes:
+                r.passed_lanes.remove(lane.lane)
         if outcome is Outcome.FAILED:
             r.failures += 1
             r.inconclusive_streak = 0

@@ -19,10 +19,12 @@ from batchpilot_operator.analysis import (
     build_queries,
     check_metric,
     combine,
+    counter_queries,
     plan_queries,
     promql_window,
     run_analysis,
     selector,
+    slice_counts,
     verdicts,
 )
 from batchpilot_operator.spec import PolicySpec
@@ -182,8 +184,9 @@ Row = tuple[float | None, float | None, float | None]
 
 
 class DictBackend:
-    """A fake MetricsBackend: (value, samples, bad events) by (track, lane, metric); each of
-    the 5 sub-windows gets a fifth of the counts (evenly spread: no bursts).
+    """A fake MetricsBackend: (value, samples, bad events) by (track, lane, metric) over the
+    30s window. The raw counters (read at the sub-window boundaries) grow evenly in time, so
+    each of the 5 sub-windows holds a fifth of the counts (no bursts).
 
     Histogram ``bad`` queries get two buckets whose only finite bound (1us) lies below every
     threshold, so exactly ``bad`` observations count as over it.
@@ -207,16 +210,19 @@ class DictBackend:
             lane = "background" if 'lane="background"' in query else "interactive"
             metric = "queueAge" if "queue_age" in query else "errorRate" if "requests_total" in query else "p99Latency"
             value, samples, bad = self.table.get((track, lane, metric), (None, None, None))
-            if "[6s]" in query:  # a sub-window (30s / 5): its fifth of the counts
-                samples = None if samples is None else samples / SLICES
-                bad = None if bad is None else bad / SLICES
+            raw = "increase(" not in query and "rate(" not in query
+            if raw and samples is not None:  # a cumulative counter, started 1000s before NOW
+                scale = ((at or NOW.timestamp()) - NOW.timestamp() + 1000) / 30
+                samples, bad = samples * scale, (bad or 0.0) * scale
             if query.startswith("sum by (le)"):
                 n, k = samples or 0.0, bad or 0.0
                 out[query] = Measurement(query, buckets=((1e-6, n - k), (math.inf, n)) if samples else ())
-            elif query.startswith("sum(increase(batchpilot_requests_total") and "outcome=~" in query:
+            elif "outcome=~" in query and query.startswith("sum("):
                 out[query] = Measurement(query, value=bad)
             else:
-                out[query] = Measurement(query, value=samples if query.startswith("sum(increase") else value)
+                out[query] = Measurement(
+                    query, value=samples if query.startswith(("sum(increase", "sum(batch")) else value
+                )
         return out
 
 
@@ -256,12 +262,12 @@ def _analyse(backend: MetricsBackend, spec: PolicySpec | None = None) -> Analysi
 def test_run_analysis_all_lanes_successful_with_stable_evidence() -> None:
     backend = DictBackend(_table())
     result = _analyse(backend)
-    # The window (2 lanes x 2 tracks x 3 metrics x 3 queries), then the samples and bad-event
-    # queries over each of the 5 sub-windows of 6s, evaluated at the end of each.
-    assert [len(c) for c in backend.calls] == [36] + [24] * SLICES
-    assert all("[6s]" in q for c in backend.calls[1:] for q in c)
+    # The window (2 lanes x 2 tracks x 3 metrics x 3 queries), then the raw counters (requests
+    # and bad events of each) at the 6 boundaries of the 5 sub-windows of 6s, oldest first.
+    assert [len(c) for c in backend.calls] == [36] + [24] * (SLICES + 1)
+    assert not any("increase(" in q or "rate(" in q for c in backend.calls[1:] for q in c)
     end = NOW.timestamp()
-    assert backend.at == [end, end - 24, end - 18, end - 12, end - 6, end]
+    assert backend.at == [end, end - 30, end - 24, end - 18, end - 12, end - 6, end]
     assert result.outcome is Outcome.SUCCESSFUL
     assert [lane.lane for lane in result.lanes] == ["interactive", "background"]
     bg = result.lanes[1]
@@ -434,3 +440,31 @@ def test_the_tally_carries_earlier_analyses_and_decides() -> None:
         history=long,
     )  # fmt: skip
     assert len(bounded.tally[key]) == TALLY_SLICES
+
+
+def _counters(at: list[tuple[float, float]]) -> tuple[Any, list[dict[str, Measurement]]]:
+    """One error-rate counter pair read at boundaries: (requests, errors) cumulative."""
+    (cq,) = [c for c in counter_queries([build_queries(policy="chat", namespace="ml", track="canary",
+             revision="abc123", lane="interactive", window=30)], policy="chat", namespace="ml")
+             if c.metric == "errorRate"]  # fmt: skip
+    return cq, [{cq.requests: Measurement(cq.requests, value=n), cq.bad: Measurement(cq.bad, value=k)} for n, k in at]
+
+
+def test_slice_counts_are_counter_differences_and_refuse_what_they_cannot_trust() -> None:
+    spec = make_spec()
+    key = ("canary", "interactive", "errorRate")
+    cq, reads = _counters([(100, 1), (160, 1), (220, 7), (280, 7), (340, 8), (400, 8)])
+    assert slice_counts(spec, [cq], reads)[key] == ((0, 60), (6, 60), (0, 60), (1, 60), (0, 60))
+    # a counter that went down (a pod restarted inside the window): not usable
+    cq, reads = _counters([(100, 1), (160, 1), (20, 0), (80, 0), (140, 1), (200, 1)])
+    assert key not in slice_counts(spec, [cq], reads)
+    # requests in only two sub-windows (a window of few scrapes): no spread to measure
+    cq, reads = _counters([(100, 1), (100, 1), (160, 2), (160, 2), (160, 2), (220, 2)])
+    assert key not in slice_counts(spec, [cq], reads)
+    # sub-windows holding far fewer requests than the window's count: not usable
+    cq, reads = _counters([(100, 1), (110, 1), (120, 1), (130, 1), (140, 1), (150, 1)])
+    assert key in slice_counts(spec, [cq], reads)
+    assert key not in slice_counts(spec, [cq], reads, {key: 300.0})
+    # no series yet at the first boundary (the canary's pods just started): not usable
+    reads[0] = {}
+    assert key not in slice_counts(spec, [cq], reads)

@@ -23,7 +23,7 @@ from typing import Any
 
 import pytest
 
-from batchpilot_operator.analysis import Outcome, build_queries, run_analysis
+from batchpilot_operator.analysis import SLICES, Outcome, build_queries, run_analysis
 from batchpilot_operator.localdev import free_port
 from batchpilot_operator.localdev.prometheus import PrometheusServer, ScrapeTarget
 from batchpilot_operator.prom import PrometheusBackend, scalar_from_result
@@ -200,6 +200,12 @@ def test_backend_measures_p99_and_samples_from_real_prometheus(
     assert errors is not None and errors.outcome is Outcome.FAILED
     assert errors.value == pytest.approx(EXPECTED_ERROR_RATE, rel=1e-6)
     assert stable_errors is not None and stable_errors.value == 0.0 and stable_errors.outcome is Outcome.SUCCESSFUL
+    # The sub-windows come from the raw counters read at their boundaries: 5 of them, each
+    # with its share of the window's requests (the exporter grows evenly, ~20 per 2s; the
+    # oldest may predate the target's first scrape: no series yet counts as zero).
+    canary_slices = result.tally["interactive/p99Latency/canary"]
+    assert len(canary_slices) == SLICES and sum(n > 0 for _, n in canary_slices) >= 3, canary_slices
+    assert sum(n for _, n in canary_slices) == pytest.approx(latency.samples or 0, rel=0.35)
     backend.close()
 
 
