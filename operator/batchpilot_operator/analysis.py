@@ -28,34 +28,43 @@ over the SLO comes from the histogram buckets, interpolated inside a bucket as
 age), and requests answered with an error (budget ``maxErrorRate``). The ``budget`` is the
 bad fraction the objective allows: 1% for the two p99s, ``maxErrorRate`` for errors.
 
-Verdict of one objective of one lane (canary vs the stable track over the same window):
+Verdict of one objective of one lane, on the canary's *tally*: its bad events and requests
+per sub-window (:data:`SLICES` per analysis window) over this analysis and its earlier ones
+(:data:`TALLY_SLICES` at most, kept in ``status.rollout.evidence``), against the stable
+track's over the same sub-windows:
 
 * a query that errored (Prometheus unreachable, bad response) -> ``Error``;
-* fewer canary requests than ``minSamples`` (or no data) -> ``Inconclusive``: thin traffic
-  never fails a canary by itself;
-* the canary's bad fraction within its budget (its p99 meets the SLO) -> ``Successful``;
-* the canary breaches, and BOTH (a) it is over its budget with at least
-  ``rollout.confidence`` (exact binomial test: k bad among n would be that unlikely if the
-  canary just met the objective) AND (b) it is worse than the stable with at least
-  ``rollout.confidence`` (one-sided Fisher exact test of its bad fraction against the
-  stable's over the same window) -> ``Failed``. Without a usable stable measurement (no
-  stable track, fewer than ``minSamples`` stable requests, or its queries erroring) (a)
-  alone decides;
-* otherwise (a breach that is thin, or that the stable shares to a degree the data cannot
-  tell apart) -> ``Inconclusive``, with the reason in the evidence. The step is extended;
-  after ``maxInconclusive`` in a row the rollout holds as Stalled, it never rolls back.
+* fewer canary requests than ``minSamples`` in this window (or no data) -> ``Inconclusive``:
+  thin traffic never fails a canary by itself;
+* the tally's bad share within its budget -> ``Successful``;
+* the tally breaches and the canary is worse than the stable with at least
+  ``rollout.confidence`` -> ``Failed``. Without a usable stable (no stable track, fewer than
+  ``minSamples`` stable requests in the window, or its queries erroring), being over the
+  budget with that confidence decides instead;
+* otherwise (a breach the stable shares, or too thin to tell) -> ``Inconclusive``, with the
+  reason in the evidence. The step is extended and the lane's earlier pass of the step is
+  taken back; after ``maxInconclusive`` in a row the rollout holds as Stalled, it never
+  rolls back for this.
+
+Each confidence is the lesser of two tests that must agree: an exact test on the tallied
+counts (Fisher's one-sided test against the stable; binomial against the budget) and a
+cluster-robust t test across the sub-windows (paired by sub-window against the stable). The
+exact test is right for few events but takes every request as independent; bad events come
+in runs (a queue that builds on one pod delays every request behind it), and the sub-window
+test counts one burst as one piece of evidence however many requests it delayed.
 
 Why this rule (measured in bench/canary_eval.py; README "How the canary verdict decides"):
 a p99 from one window of a few hundred requests is the window's 2nd or 3rd slowest request,
 and under bursty traffic both tracks swing far over the SLO together. The earlier rule
 compared the canary's p99 point with the SLO and excused it only when within 10% of an
 equally breaching stable; it failed good canaries whenever a burst happened to land on the
-canary's pods a little harder. Counting the bad events uses every request of the window,
-and asking whether the canary's share of them is larger than chance puts a stated error rate
-(1 - confidence) on each side of the comparison instead of a fixed 10%. Kayenta judges
-canaries by a rank test over the distributions; for a p99 objective the tail is what
-matters (a change that moves the median and not the tail is not a breach), so the test is on
-the tail beyond the SLO itself.
+canary's pods a little harder. Counting the bad events uses every request, and asking
+whether the canary's share of them is larger than chance puts a stated error rate
+(1 - confidence) on the comparison instead of a fixed 10%. Kayenta judges canaries by a
+rank test over the distributions; for a p99 objective the tail is what matters (a change
+that moves the median and not the tail is not a breach), so the test is on the tail beyond
+the SLO itself. The tally lets a steady small breach (a queue that sheds 2% against a 1%
+budget) add up over analyses where one window cannot show it.
 
 Precedence, for a lane and for the whole analysis: Failed > Error > Inconclusive >
 Successful. A breach measured with enough samples is evidence even if another query failed;
@@ -477,22 +486,15 @@ def judge(
     canary_slices: Slices | None = None,
     stable_slices: Slices | None = None,
 ) -> MetricCheck:
-    """The canary's verdict on one objective: its tally against its budget and the stable's.
+    """The canary's verdict on one objective: its tally against the stable's and its budget.
 
     ``canary`` and ``stable`` are this window's checks (:func:`check_metric`); a canary check
-    that is Error or Inconclusive (too few requests in this window) stays so. The verdict is
-    then on the tally: ``*_slices`` are (bad events, requests) per sub-window of this window
-    and of the canary's earlier analyses (:data:`TALLY_SLICES` at most; without them, this
-    window's counts). The canary is Successful when its tallied bad share is within its
-    budget; otherwise Failed when it is over its budget with ``confidence`` AND, if the
-    stable is usable, worse than the stable with ``confidence``; otherwise Inconclusive with
-    the reason in ``note``.
-
-    Each confidence is the lesser of two tests that must both agree: the exact test on the
-    tallied counts (binomial / Fisher: right for few events, but it takes every request as
-    independent) and the cluster-robust t test across sub-windows (a burst that landed on one
-    track's pods is one cluster of evidence, however many requests it delayed; see
-    :mod:`batchpilot_operator.stats`).
+    that is Error or Inconclusive (too few requests in this window) stays so. ``*_slices``
+    are (bad events, requests) per sub-window of the tally (without them, this window's
+    counts). Successful when the tallied bad share is within the budget; Failed when it is
+    not and the canary is worse than a usable stable with ``confidence`` (no usable stable:
+    over its budget with ``confidence``); otherwise Inconclusive with the reason in ``note``.
+    Each confidence is the lesser of the exact test and the sub-window test (module doc).
     """
     if canary.outcome in (Outcome.ERROR, Outcome.INCONCLUSIVE) or canary.bad is None or canary.samples is None:
         return canary

@@ -20,6 +20,7 @@ from batchpilot_operator.analysis import (
     check_metric,
     combine,
     counter_queries,
+    judge,
     plan_queries,
     promql_window,
     run_analysis,
@@ -358,15 +359,16 @@ def _judged(canary: Row, stable: Row | None, confidence: float = 0.95) -> Any:
         ((0.5, 300.0, 60.0), (0.1, 900.0, 3.0), Outcome.FAILED, None),
         # one huge outlier among 300 requests: 0.33% over, a p99 within the SLO
         ((0.12, 300.0, 1.0), (0.1, 900.0, 0.0), Outcome.SUCCESSFUL, None),
-        # two outliers among 120 requests: 1.7% over (a breach by the point) but thin evidence
-        ((0.25, 120.0, 2.0), (0.1, 900.0, 0.0), Outcome.INCONCLUSIVE, "a breach this thin"),
+        # a steady 1.7% over the SLO in every sub-window against none on the stable: Failed
+        # (two outliers in one sub-window are not: test_outliers_in_one_sub_window_are_one_cluster)
+        ((0.25, 120.0, 2.0), (0.1, 900.0, 0.0), Outcome.FAILED, None),
         # no stable measurement (first window of a thin stable): the budget test alone decides
         ((0.5, 300.0, 60.0), None, Outcome.FAILED, None),
         ((0.25, 120.0, 2.0), None, Outcome.INCONCLUSIVE, "a breach this thin"),
         # a stable with too few samples is no baseline: the budget test alone decides
         ((0.3, 300.0, 30.0), (0.35, 10.0, 2.0), Outcome.FAILED, None),
         # a slightly worse canary that both breach: not clearly worse than a breaching stable
-        ((0.22, 300.0, 6.0), (0.21, 900.0, 12.0), Outcome.INCONCLUSIVE, "a breach this thin"),
+        ((0.22, 300.0, 6.0), (0.21, 900.0, 12.0), Outcome.INCONCLUSIVE, "stable track breaches too"),
         # empty buckets (no requests in the window on the canary)
         ((None, 0.0, 0.0), (0.1, 900.0, 0.0), Outcome.INCONCLUSIVE, None),
     ],
@@ -377,9 +379,11 @@ def test_verdict_table(canary: Row, stable: Row | None, outcome: Outcome, why: s
     if why is not None:
         assert why in check.describe()
     if outcome is Outcome.FAILED:
-        assert check.confidence_over_budget is not None and check.confidence_over_budget >= 0.95
+        # With a usable stable, being worse than it decides; without one, being over budget.
         if stable is not None and (stable[1] or 0) >= 50:
             assert check.confidence_worse is not None and check.confidence_worse >= 0.95
+        else:
+            assert check.confidence_over_budget is not None and check.confidence_over_budget >= 0.95
 
 
 def test_confidence_is_the_policys_knob() -> None:
@@ -406,11 +410,13 @@ def test_verdicts_skips_lanes_without_queries() -> None:
 
 
 def test_the_tally_carries_earlier_analyses_and_decides() -> None:
-    # A canary 2% over the SLO in every window: one window of 300 requests cannot show that it
-    # is over the 1% budget with 95% confidence; with the tally of three earlier windows (in
-    # status.rollout.evidence) it can.
+    # A canary 2% over the SLO in every window against a stable at 1%: one window of 300
+    # requests cannot show that it is worse with 95% confidence; with the tally of three
+    # earlier windows (in status.rollout.evidence) it can.
     spec = make_spec(lanes=1)
-    table = _table(canary__interactive__p99Latency=(0.25, 300.0, 6.0))
+    table = _table(
+        canary__interactive__p99Latency=(0.25, 300.0, 6.0), stable__interactive__p99Latency=(0.15, 900.0, 9.0)
+    )
     first = _analyse(DictBackend(table), spec)
     check = first.lanes[0].check("p99Latency")
     assert check is not None and check.outcome is Outcome.INCONCLUSIVE, check.describe()
@@ -468,3 +474,22 @@ def test_slice_counts_are_counter_differences_and_refuse_what_they_cannot_trust(
     # no series yet at the first boundary (the canary's pods just started): not usable
     reads[0] = {}
     assert key not in slice_counts(spec, [cq], reads)
+
+
+def test_outliers_in_one_sub_window_are_one_cluster() -> None:
+    # Two requests of 120 over the SLO, none of 900 on the stable. Taken as independent
+    # requests Fisher's test says the canary is worse with ~98.6% confidence; both outliers
+    # fell in one sub-window, and across sub-windows that is one event, not proof.
+    canary_slices = ((2.0, 24.0), (0.0, 24.0), (0.0, 24.0), (0.0, 24.0), (0.0, 24.0))
+    stable_slices = ((0.0, 180.0),) * 5
+    q, ms = _measure(0.25, 120.0, 2.0)
+    canary = check_metric(queries=q, metric="p99Latency", measurements=ms, threshold=0.2, min_samples=50)
+    sq, sms = _measure(0.1, 900.0, 0.0)
+    stable = check_metric(queries=sq, metric="p99Latency", measurements=sms, threshold=0.2, min_samples=50)
+    judged = judge(canary, stable, 0.95, canary_slices, stable_slices)
+    assert judged.outcome is Outcome.INCONCLUSIVE, judged.describe()
+    assert judged.confidence_worse is not None and judged.confidence_worse < 0.9
+    assert "not clearly worse than the stable track" in judged.describe()
+    # The same two outliers spread over the sub-windows would be a steady breach.
+    spread = ((0.4, 24.0),) * 5
+    assert judge(canary, stable, 0.95, spread, stable_slices).outcome is Outcome.FAILED
