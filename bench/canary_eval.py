@@ -107,6 +107,7 @@ def policy(
         "minSamples": 100,
         "maxInconclusive": 10,
     }
+    confidence = confidence or float(os.environ.get("CANARY_EVAL_CONFIDENCE", "0")) or None
     if confidence is not None:
         rollout["confidence"] = confidence
     return PolicySpec.model_validate(
@@ -500,7 +501,8 @@ def cell(args: tuple[str, str, float, int, int, int, float, list[float]]) -> dic
     canary, scale, new_spec = canary_settings(scenario, shed_queue)
     old_spec = policy(8, 2, 512)
     counts: dict[str, Any] = {
-        r: {"analyses": 0, "failed": 0, "inconclusive": 0, "rollouts": [], "breach_windows": 0} for r in RULES
+        r: {"analyses": 0, "failed": 0, "inconclusive": 0, "rollouts": []}
+        for r in os.environ.get("CANARY_EVAL_RULES", ",".join(RULES)).split(",")
     }
     w = old_spec.rollout.analysis_interval
     for i in range(runs):
@@ -508,7 +510,7 @@ def cell(args: tuple[str, str, float, int, int, int, float, list[float]]) -> dic
         rng = random.Random(seed)
         arrivals = make_trace(trace, rate, duration, rng)
         run = simulate_run(arrivals, canary, table, scale, seed)
-        for rule in RULES:
+        for rule in counts:
             c = counts[rule]
             for canary_pods in (1, 2):
                 end = 10.0 + w
@@ -604,9 +606,14 @@ def main() -> int:
     p.add_argument("--duration", type=float, default=300.0, help="seconds of traffic per run")
     p.add_argument("--rate", type=float, default=None, help="mean req/s (default: calibrated per trace)")
     p.add_argument("--workers", type=int, default=2)
+    p.add_argument("--confidence", type=float, default=None, help="rollout.confidence (default: the spec's)")
+    p.add_argument("--rules", default=",".join(RULES), help="old,new")
     p.add_argument("--out", type=Path, default=None)
     args = p.parse_args()
     t0 = time.time()
+    if args.confidence:
+        os.environ["CANARY_EVAL_CONFIDENCE"] = str(args.confidence)
+    os.environ["CANARY_EVAL_RULES"] = args.rules
     table = load_profile(PROFILE).exec_table(64, "p50")
     traces = args.traces.split(",")
     scenarios = args.scenarios.split(",")
@@ -638,7 +645,7 @@ def main() -> int:
     rows = []
     with ProcessPoolExecutor(max_workers=args.workers) as pool:
         for res in pool.map(cell, jobs):
-            for rule in RULES:
+            for rule in res["counts"]:
                 row = {
                     "trace": res["trace"],
                     "scenario": res["scenario"],

@@ -30,7 +30,7 @@ bad fraction the objective allows: 1% for the two p99s, ``maxErrorRate`` for err
 
 Verdict of one objective of one lane, on the canary's *tally*: its bad events and requests
 per sub-window (:data:`SLICES` per analysis window) over this analysis and its earlier ones
-(:data:`TALLY_SLICES` at most, kept in ``status.rollout.evidence``), against the stable
+(its last :data:`TALLY_ANALYSES` analyses, kept in ``status.rollout.evidence``), against the stable
 track's over the same sub-windows:
 
 * a query that errored (Prometheus unreachable, bad response) -> ``Error``;
@@ -38,12 +38,15 @@ track's over the same sub-windows:
   thin traffic never fails a canary by itself;
 * the tally's bad share within its budget -> ``Successful``;
 * the tally breaches and the canary is worse than the stable with at least
-  ``rollout.confidence`` -> ``Failed``. Without a usable stable (no stable track, fewer than
+  ``rollout.confidence`` -> ``Failed``; when the stable's tally breaches too (a burst or an
+  overload both tracks see), the canary must also be at least :data:`SHARED_BREACH_RATIO`
+  times as bad as the stable (an effect size, like Kayenta's allowed increase). Without a usable stable (no stable track, fewer than
   ``minSamples`` stable requests in the window, or its queries erroring), being over the
   budget with that confidence decides instead;
 * otherwise (a breach the stable shares, or too thin to tell) -> ``Inconclusive``, with the
-  reason in the evidence. The step is extended and the lane's earlier pass of the step is
-  taken back; after ``maxInconclusive`` in a row the rollout holds as Stalled, it never
+  reason in the evidence. A breach the stable shares lets the lane pass its step (not the
+  canary's doing); any other Inconclusive extends the step and takes back the lane's earlier
+  pass of it. After ``maxInconclusive`` in a row the rollout holds as Stalled; it never
   rolls back for this.
 
 Each confidence is the lesser of two tests that must agree: an exact test on the tallied
@@ -103,8 +106,12 @@ P99_BUDGET = 1 - QUANTILE
 """The share of requests a p99 objective allows over its threshold."""
 SLICES = 5
 """Sub-windows of an analysis window: the clusters of the burst-robust tests (see judge)."""
-TALLY_SLICES = 10 * SLICES
-"""Sub-windows of the canary's tally: the evidence of its last 10 analyses (see judge)."""
+SHARED_BREACH_RATIO = 2.0
+"""When the stable breaches too, the canary is blamed only if at least this many times as bad."""
+TALLY_ANALYSES = 4
+TALLY_SLICES = TALLY_ANALYSES * SLICES
+"""Sub-windows of the canary's tally: the evidence of its last 4 analyses (see judge). Long
+enough for a steady small breach to add up, short enough that one burst leaves it soon."""
 
 MetricName = Literal["p99Latency", "queueAge", "errorRate"]
 Track = Literal["stable", "canary"]
@@ -309,6 +316,8 @@ class MetricCheck:
     tally: tuple[float, float] | None = None
     """(bad events, requests) the verdict was on: this window's and the earlier analyses'."""
     stable_tally: tuple[float, float] | None = None
+    shared_breach: bool = False
+    """Inconclusive because the stable's tally breaches too: traffic, not the canary."""
 
     @property
     def bad_fraction(self) -> float | None:
@@ -382,6 +391,16 @@ class LaneVerdict:
             if c.metric == metric:
                 return c
         return None
+
+    @property
+    def passes_step(self) -> bool:
+        """Nothing held against the canary: every objective Successful, or breached only as
+        the stable breaches too (a traffic burst both tracks saw). A breach not (yet) proven
+        against the canary, thin traffic, an error or a failure do not pass."""
+        return bool(self.canary) and all(
+            c.outcome is Outcome.SUCCESSFUL or (c.outcome is Outcome.INCONCLUSIVE and c.shared_breach)
+            for c in self.canary
+        )
 
 
 @dataclass(frozen=True)
@@ -520,14 +539,22 @@ def judge(
             clustered_greater(canary_slices, paired) if canary_slices and paired else None,
         )
     note = None
+    stable_share = stable_tally[0] / stable_tally[1] if stable_tally is not None and stable_tally[1] > 0 else 0.0
+    shared = stable_tally is not None and stable_share > canary.budget
+    needs = f"needs {format_confidence(confidence)} confidence"
     if worse is None and over < confidence:
-        note = f"a breach this thin is not conclusive (needs {format_confidence(confidence)} confidence)"
+        note = f"a breach this thin is not conclusive ({needs})"
     elif worse is not None and worse < confidence:
         note = (
             "the stable track breaches too: not clearly the canary's doing"
-            if stable is not None and stable.breaches()
+            if shared
             else "not clearly worse than the stable track"
-        ) + f" (needs {format_confidence(confidence)} confidence)"
+        ) + f" ({needs})"
+    elif shared and k_c / n_c < SHARED_BREACH_RATIO * stable_share:
+        note = (
+            f"the stable track breaches too ({format_share(stable_share)}): the canary is worse, but not "
+            f"{SHARED_BREACH_RATIO:g}x as bad, as a bad change would be in a burst or overload both tracks see"
+        )
     return dataclasses.replace(
         canary,
         outcome=Outcome.FAILED if note is None else Outcome.INCONCLUSIVE,
@@ -537,6 +564,7 @@ def judge(
         stable=stable,
         tally=(k_c, n_c),
         stable_tally=stable_tally,
+        shared_breach=note is not None and shared and worse is not None,
     )
 
 

@@ -510,9 +510,9 @@ class _Planner:
             self.ledger("MetricsRestored", r.revision, reason=f"analysis {outcome.value}", evidence=f"after {held:g}s")
             self.event("Normal", "MetricsRestored", f"metrics available again after {held:g}s; rollout resumes")
             r.metrics_error_since = None
-        # A lane passes the step with its latest analysis: a breach that is not (yet) proven
-        # (Inconclusive) or a failure takes back an earlier pass, so a canary is never advanced
-        # on one lucky window while its tally says it breaches.
+        # A lane passes the step with its latest analysis: any breach in the tally (even one
+        # not proven against the canary) or a failure takes back an earlier pass, so a canary
+        # is never advanced on one lucky window while its tally says it breaches.
         for lane in a.lanes:
             if lane.outcome is Outcome.SUCCESSFUL:
                 if lane.lane not in r.passed_lanes:

@@ -355,6 +355,9 @@ def _judged(canary: Row, stable: Row | None, confidence: float = 0.95) -> Any:
         ((0.35, 300.0, 36.0), (0.3, 900.0, 81.0), Outcome.INCONCLUSIVE, "stable track breaches too"),
         # the same burst, clearly worse on the canary: 25% vs 9%
         ((0.5, 300.0, 75.0), (0.3, 900.0, 81.0), Outcome.FAILED, None),
+        # an overload both tracks feel (30% vs 20% of requests slow): the canary is worse with
+        # confidence, but not twice as bad -- a pod that got more of the burst, not a bad change
+        ((0.42, 340.0, 101.0), (0.43, 633.0, 125.0), Outcome.INCONCLUSIVE, "but not 2x as bad"),
         # a stable that meets the SLO and a canary far over it
         ((0.5, 300.0, 60.0), (0.1, 900.0, 3.0), Outcome.FAILED, None),
         # one huge outlier among 300 requests: 0.33% over, a p99 within the SLO
