@@ -4,10 +4,11 @@ Thousands of canary analyses and whole rollouts, offline. Per-request latencies,
 and outcomes come from the tuner's batcher simulator (``tune.simulator.simulate_requests``,
 the exact engine of ``batchpilot tune``) fed with an arrival trace and random routing of each
 request over the policy's 4 pods (1 canary pod at the 25% step, 2 at 50%), with lognormal
-noise on every forward time. Each window is turned into exactly what the operator reads from
-Prometheus (the runtime's histogram buckets, ``histogram_quantile``, request counts by
-outcome), answered to the real analysis code's own queries, and judged by the real verdict
-(``analysis.verdicts``) or by the old rule; whole rollouts run the real planner
+noise on every forward time. A simulated Prometheus (:class:`SimPrometheus`) answers the
+analysis' own queries from those requests at any instant (the runtime's histogram buckets,
+``histogram_quantile``, request counts by outcome, raw counters at sub-window boundaries),
+and the real ``analysis.run_analysis`` judges (the old rule judges the same window's
+measurements); whole rollouts run the real planner
 (``planner.plan``) on the demo's rollout block (steps 25%/20s and 50%/20s, analysis every
 15s, failureLimit 2, minSamples 100, maxInconclusive 10), from a random start.
 
@@ -19,16 +20,20 @@ Splitwise, ISCA 2024; rotated at a random offset per run), ``poisson`` (exponent
 Scenarios (stable: 8-row batches, 2 ms window, queue bound 512, SLO p99 120 ms, queue age 60 ms,
 errors 1%):
 ``aa`` the canary is the stable; ``good`` the demo's good change (16 rows, 5 ms);
-``bad`` the demo's bad change (64 rows, 110 ms window); ``slower20`` a model 20% slower at a
-load where that breaks the p99 SLO over the whole trace and the stable meets it; ``shed2`` a
-queue bound that sheds about 2% of requests (error budget 1%).
+``bad`` the demo's bad change (64 rows, 110 ms window); ``slower20`` a model 20% slower (every
+forward time x1.2) at 95% of the load where the stable's p99 over the whole run reaches the SLO
+(the stable meets it, the slower model breaks it; both p99s are in ``setup``); ``shed2`` a
+queue bound that sheds about 2% of requests over the run (error budget 1%).
 
 Load: ``--rate`` (default: per trace, the rate at which 10% of the stable's 15 s windows breach
-the p99 SLO by the point estimate: bursts that both tracks see, where false rollbacks happen).
+the p99 latency or queue-age SLO by the point estimate: bursts that both tracks see, where
+false rollbacks happen).
 
 Reported per (trace, scenario, rule): the share of Failed analyses over all windows, the share
 of rollouts rolled back / promoted / held (Stalled), and for bad changes the share rolled back
-within failureLimit + 1 analyses and the mean number of analyses until rollback.
+within failureLimit + 1 analyses, the mean number of analyses until rollback, and for the bad
+rollouts that were promoted the worst bad share the canary showed while it ran (0: the
+rollout never met the burst that brings its fault out).
 
 Usage: .venv/bin/python bench/canary_eval.py [--runs 200] [--out bench/results/canary_eval.json]
 """
