@@ -393,12 +393,13 @@ class LaneVerdict:
         return None
 
     @property
-    def passes_step(self) -> bool:
-        """Nothing held against the canary: every objective Successful, or breached only as
-        the stable breaches too (a traffic burst both tracks saw). A breach not (yet) proven
-        against the canary, thin traffic, an error or a failure do not pass."""
-        return bool(self.canary) and all(
-            c.outcome is Outcome.SUCCESSFUL or (c.outcome is Outcome.INCONCLUSIVE and c.shared_breach)
+    def holds_step(self) -> bool:
+        """Something is held against the canary: an objective Failed, or breached in a way the
+        stable does not share (not yet proven). A breach both tracks show (a burst) and thin
+        traffic (too few requests to judge) hold nothing against it."""
+        return any(
+            c.outcome is Outcome.FAILED
+            or (c.outcome is Outcome.INCONCLUSIVE and c.note is not None and not c.shared_breach)
             for c in self.canary
         )
 

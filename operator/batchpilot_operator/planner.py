@@ -510,14 +510,15 @@ class _Planner:
             self.ledger("MetricsRestored", r.revision, reason=f"analysis {outcome.value}", evidence=f"after {held:g}s")
             self.event("Normal", "MetricsRestored", f"metrics available again after {held:g}s; rollout resumes")
             r.metrics_error_since = None
-        # A lane passes the step with its latest analysis: any breach in the tally (even one
-        # not proven against the canary) or a failure takes back an earlier pass, so a canary
-        # is never advanced on one lucky window while its tally says it breaches.
+        # A lane passes the step with a Successful analysis; a failure, or a breach that the
+        # stable does not share but the data cannot pin on the canary yet, takes the pass back,
+        # so a canary is never advanced on one lucky window while its tally says it breaches.
+        # A breach the stable shares (a burst both tracks saw) and thin traffic change nothing.
         for lane in a.lanes:
             if lane.outcome is Outcome.SUCCESSFUL:
                 if lane.lane not in r.passed_lanes:
                     r.passed_lanes.append(lane.lane)
-            elif lane.lane in r.passed_lanes:
+            elif lane.holds_step and lane.lane in r.passed_lanes:
                 r.passed_lanes.remove(lane.lane)
         if outcome is Outcome.FAILED:
             r.failures += 1
