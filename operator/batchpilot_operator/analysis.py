@@ -44,10 +44,11 @@ track's over the same sub-windows:
   ``minSamples`` stable requests in the window, or its queries erroring), being over the
   budget with that confidence decides instead;
 * otherwise (a breach the stable shares, or too thin to tell) -> ``Inconclusive``, with the
-  reason in the evidence. A breach the stable shares lets the lane pass its step (not the
-  canary's doing); any other Inconclusive extends the step and takes back the lane's earlier
-  pass of it. After ``maxInconclusive`` in a row the rollout holds as Stalled; it never
-  rolls back for this.
+  reason in the evidence. A breach the stable shares without the canary being clearly worse
+  passes the lane's step like a Successful analysis (a burst, not the canary); any other
+  breach extends the step and takes back the lane's earlier pass of it
+  (:attr:`LaneVerdict.passes_step` / :attr:`LaneVerdict.holds_step`). After
+  ``maxInconclusive`` in a row the rollout holds as Stalled; it never rolls back for this.
 
 Each confidence is the lesser of two tests that must agree: an exact test on the tallied
 counts (Fisher's one-sided test against the stable; binomial against the budget) and a
@@ -317,7 +318,8 @@ class MetricCheck:
     """(bad events, requests) the verdict was on: this window's and the earlier analyses'."""
     stable_tally: tuple[float, float] | None = None
     shared_breach: bool = False
-    """Inconclusive because the stable's tally breaches too: traffic, not the canary."""
+    """Inconclusive because the stable's tally breaches too and the canary is not clearly
+    worse: a burst or an overload both tracks see, not the canary."""
 
     @property
     def bad_fraction(self) -> float | None:
@@ -393,10 +395,19 @@ class LaneVerdict:
         return None
 
     @property
+    def passes_step(self) -> bool:
+        """Nothing against the canary: every objective Successful, or breached only as the
+        stable breaches too without the canary being clearly worse (a burst both tracks saw)."""
+        return bool(self.canary) and all(
+            c.outcome is Outcome.SUCCESSFUL or (c.outcome is Outcome.INCONCLUSIVE and c.shared_breach)
+            for c in self.canary
+        )
+
+    @property
     def holds_step(self) -> bool:
-        """Something is held against the canary: an objective Failed, or breached in a way the
-        stable does not share (not yet proven). A breach both tracks show (a burst) and thin
-        traffic (too few requests to judge) hold nothing against it."""
+        """Something against the canary: an objective Failed, or breached in a way the data
+        cannot yet pin on it (alone, or clearly worse than a breaching stable but not twice
+        as bad). Thin traffic (too few requests to judge) holds nothing against it."""
         return any(
             c.outcome is Outcome.FAILED
             or (c.outcome is Outcome.INCONCLUSIVE and c.note is not None and not c.shared_breach)
@@ -565,7 +576,7 @@ def judge(
         stable=stable,
         tally=(k_c, n_c),
         stable_tally=stable_tally,
-        shared_breach=note is not None and shared and worse is not None,
+        shared_breach=shared and worse is not None and worse < confidence,
     )
 
 

@@ -510,12 +510,12 @@ class _Planner:
             self.ledger("MetricsRestored", r.revision, reason=f"analysis {outcome.value}", evidence=f"after {held:g}s")
             self.event("Normal", "MetricsRestored", f"metrics available again after {held:g}s; rollout resumes")
             r.metrics_error_since = None
-        # A lane passes the step with a Successful analysis; a failure, or a breach that the
-        # stable does not share but the data cannot pin on the canary yet, takes the pass back,
-        # so a canary is never advanced on one lucky window while its tally says it breaches.
-        # A breach the stable shares (a burst both tracks saw) and thin traffic change nothing.
+        # A lane passes the step with an analysis that holds nothing against the canary
+        # (Successful, or a breach both tracks show alike); a failure, or a breach the data
+        # cannot pin on the canary yet, takes the pass back, so a canary is never advanced on
+        # one lucky window while its tally says it breaches. Thin traffic changes nothing.
         for lane in a.lanes:
-            if lane.outcome is Outcome.SUCCESSFUL:
+            if lane.passes_step:
                 if lane.lane not in r.passed_lanes:
                     r.passed_lanes.append(lane.lane)
             elif lane.holds_step and lane.lane in r.passed_lanes:
