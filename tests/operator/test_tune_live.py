@@ -238,3 +238,15 @@ def test_json_patch_only_for_changed_lanes() -> None:
     same = recommend_lane(traffic_at(600.0), PROFILE, rec.recommended.settings, SLO, replicas=1)
     assert json_patch(lanes, [same]) == [] or same.changed
     assert not math.isnan(same.recommended.capacity)
+
+
+def test_the_recommend_role_manifest_grants_exactly_what_the_code_documents() -> None:
+    from pathlib import Path
+
+    import yaml
+
+    from batchpilot_operator.livedata import RBAC_RULES
+
+    role = yaml.safe_load((Path(__file__).parents[2] / "manifests" / "rbac" / "recommend-role.yaml").read_text())
+    assert role["kind"] == "ClusterRole"
+    assert role["rules"] == RBAC_RULES

@@ -31,11 +31,13 @@ setting) and its predictions at the observed rate and at the planned one.
 
 from __future__ import annotations
 
+import json
 import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from batchpilot_operator.spec import PolicySpec
 from batchpilot_operator.tune.profile import LatencyProfile, ProfilePoint
 from batchpilot_operator.tune.search import SLOTargets, search
 from batchpilot_operator.tune.simulator import LaneSettings, simulate
@@ -520,3 +522,100 @@ def _round(x: float) -> float | None:
 
 def _dur(x: float) -> str | None:
     return None if not math.isfinite(x) else format_duration(x)
+
+
+# --------------------------------------------------------------------------- a whole policy
+
+
+@dataclass
+class PolicyRecommendation:
+    lanes: list[LaneRecommendation]
+    failed: dict[str, str]  # lane -> why no recommendation
+    pods: list[str]
+    pod_errors: list[str]
+    patch: list[dict[str, Any]]
+    profile: LatencyProfile | None
+
+    @property
+    def stale_lanes(self) -> list[LaneRecommendation]:
+        return [rec for rec in self.lanes if rec.stale]
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "pods": self.pods,
+            "podErrors": self.pod_errors,
+            "profile": None
+            if self.profile is None
+            else {
+                "model": self.profile.model.source,
+                "device": self.profile.model.device,
+                "batchSizes": self.profile.batch_sizes,
+            },
+            "lanes": [rec.to_dict() for rec in self.lanes],
+            "failed": self.failed,
+            "patch": self.patch,
+        }
+
+
+def recommend_policy(
+    spec: PolicySpec,
+    arrivals: Sequence[Mapping[str, Any]],
+    profiles: Sequence[Mapping[str, Any]],
+    *,
+    growth: float = 2.0,
+    margin: float = 0.2,
+    rate: float | None = None,
+    lanes: Sequence[str] | None = None,
+    pod_errors: Sequence[str] = (),
+) -> PolicyRecommendation:
+    """Recommend for each lane of ``spec`` (or ``lanes``) from the pods' documents.
+
+    ``rate`` (requests/s) is for a single lane only. A lane that cannot be recommended (no
+    traffic, an SLO no setting meets) is listed in ``failed`` with the reason.
+    """
+    if not 0 <= margin < 1:
+        raise ValueError(f"margin must be in [0, 1), got {margin}")
+    names = list(lanes) if lanes else [lane.name for lane in spec.lanes]
+    unknown = [n for n in names if n not in {lane.name for lane in spec.lanes}]
+    if unknown:
+        raise ValueError(f"lane(s) {unknown} not in the policy (lanes: {[lane.name for lane in spec.lanes]})")
+    if rate is not None and len(names) != 1:
+        raise ValueError("a planned rate applies to one lane: name it")
+    pods = [str(doc.get("pod") or "?") for doc in arrivals]
+    if not arrivals:
+        why = "no ready pod answered" + (f" ({'; '.join(pod_errors)})" if pod_errors else "")
+        return PolicyRecommendation([], {n: why for n in names}, pods, list(pod_errors), [], None)
+    captures = [parse_capture(doc) for doc in arrivals]
+    profile = merge_profiles(profiles)
+    recs: list[LaneRecommendation] = []
+    failed: dict[str, str] = {}
+    for name in names:
+        lane = next(ln for ln in spec.lanes if ln.name == name)
+        slo = spec.lane_slo(name)
+        current = LaneSettings(lane.max_batch_size, lane.max_queue_delay, lane.max_queue_length, lane.request_timeout)
+        try:
+            traffic = merge_traffic(captures, name)
+            rec = recommend_lane(
+                traffic,
+                profile,
+                current,
+                SLOTargets(slo.p99_latency, slo.max_queue_age, margin),
+                replicas=spec.replicas,
+                growth=growth,
+                rate=rate,
+            )
+        except ValueError as exc:
+            failed[name] = str(exc)
+            continue
+        running = {
+            json_dumps_sorted(c.lanes[name].settings) for c in captures if name in c.lanes and c.lanes[name].settings
+        }
+        if len(running) > 1:
+            rec.notes.append("pods run different settings for this lane (a rollout in flight)")
+        recs.append(rec)
+    patch = json_patch([{"name": ln.name} for ln in spec.lanes], recs)
+    return PolicyRecommendation(recs, failed, pods, list(pod_errors), patch, profile)
+
+
+def json_dumps_sorted(value: Any) -> str:
+    return json.dumps(value, sort_keys=True)

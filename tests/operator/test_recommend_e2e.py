@@ -1,0 +1,205 @@
+"""`kubectl batchpilot recommend` end to end: the operator, the real control plane, a real runtime
+process per pod (local harness) serving a replay of the real trace, and the apiserver's pod
+proxy reaching the runtime's /admin endpoints through the local pod network (only 127.0.0.0/8 is
+ever dialled: see localdev/podnet.py). Also: exactly the RBAC the command documents suffices,
+and without ``pods/proxy`` it fails saying so."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import urllib.request
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+
+from batchpilot_operator.livedata import RBAC_RULES
+from batchpilot_operator.localdev.harness import RuntimeHarness
+from batchpilot_operator.localdev.load import TraceReplay
+from batchpilot_operator.localdev.prometheus import PrometheusServer
+from batchpilot_operator.tune.live import BREACH_GROWTH, BREACH_NOW
+from batchpilot_operator.tune.profile import LatencyProfile
+from batchpilot_operator.tune.search import SLOTargets, search
+from batchpilot_operator.tune.trace import Trace, load_trace
+from bptest import REPO, Kube, OperatorProcess, Plugin, start_operator
+
+pytestmark = [pytest.mark.cluster, pytest.mark.prometheus, pytest.mark.slow]
+
+HERE = Path(__file__).parent
+TRACE = REPO.parent / "shared" / "traces" / "azure-llm-2023-code.csv"
+SLICE = 500  # the first 500 arrivals of the real trace, looped: every window of 2 loops has its shape
+SECONDS_PER_ROW = 0.0025  # bp_op_models.linear
+SLO = SLOTargets(p99_latency=0.100, queue_age=0.080, margin=0.2)
+HEADROOM = 1.4  # the replay runs at capacity / HEADROOM: fine now, breaching when doubled
+
+
+def policy(tuning: dict[str, Any] | None = None) -> dict[str, Any]:
+    spec: dict[str, Any] = {
+        "model": {"name": "m", "image": "runtime:dev", "source": "python:bp_op_models:linear", "device": "cpu",
+                  "dtype": "float32", "threads": 1},
+        "replicas": 1,
+        "resources": {"gpus": 1},
+        "lanes": [{"name": "interactive", "maxBatchSize": 1, "maxQueueDelay": "1ms", "maxQueueLength": 256,
+                   "requestTimeout": "1s"}],
+        "slo": {"p99Latency": "100ms", "maxQueueAge": "80ms"},
+    }  # fmt: skip
+    if tuning is not None:
+        spec["tuning"] = tuning
+    return {
+        "apiVersion": "batchpilot.dev/v1alpha1",
+        "kind": "BatchingPolicy",
+        "metadata": {"name": "shop"},
+        "spec": spec,
+    }
+
+
+def nominal_capacity(arrivals: Trace) -> float:
+    """The simulator's capacity of the policy's setting for the model's nominal service time."""
+    profile = LatencyProfile.model_validate(
+        {
+            "model": {"name": "m", "source": "python:bp_op_models:linear"},
+            "points": [
+                {"batchSize": b, "p50": SECONDS_PER_ROW * b, "p90": SECONDS_PER_ROW * b, "p99": SECONDS_PER_ROW * b}
+                for b in (1, 2, 4, 8)
+            ],
+        }
+    )
+    result = search(arrivals, profile, SLO, replicas=1, batch_sizes=[1], windows=[0.001], verify=())
+    return result.capacity
+
+
+@dataclass
+class Setup:
+    kube: Kube
+    namespace: str
+    harness: RuntimeHarness
+    op: OperatorProcess
+    arrivals: Trace
+    rate: float
+
+    def replay(self, rate: float) -> TraceReplay:
+        return TraceReplay(
+            self.arrivals.scaled_arrivals(rate), lambda: self.harness.endpoints("shop"), model="m"
+        ).start()
+
+    def held(self) -> int:
+        total = 0
+        for proc in self.harness.endpoints("shop"):
+            with urllib.request.urlopen(f"{proc.url}/admin/arrivals", timeout=5) as resp:
+                total += sum(lane["held"] for lane in json.loads(resp.read())["lanes"])
+        return total
+
+    def status(self) -> dict[str, Any]:
+        return (self.kube.get("batchingpolicy", "shop", self.namespace) or {}).get("status") or {}
+
+
+@pytest.fixture
+def setup(
+    kube: Kube, namespace: str, prometheus: PrometheusServer, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> Iterator[Setup]:
+    # The runtime processes import the test model from here.
+    monkeypatch.setenv("PYTHONPATH", os.pathsep.join([str(HERE), os.environ.get("PYTHONPATH", "")]))
+    harness = RuntimeHarness(kube.kubeconfig, namespace, tmp_path / "runtime", prometheus).start()
+    op = start_operator(kube, namespace, tmp_path, prometheus_url=prometheus.url, resync=1.0)
+    arrivals = Trace.from_times(load_trace(TRACE).arrivals[:SLICE])
+    try:
+        yield Setup(kube, namespace, harness, op, arrivals, nominal_capacity(arrivals) / HEADROOM)
+    finally:
+        op.stop()
+        harness.stop()
+
+
+def start_policy(s: Setup, tuning: dict[str, Any] | None = None) -> None:
+    s.kube.apply(policy(tuning), "-n", s.namespace)
+    s.kube.wait_for(lambda: s.status().get("phase") == "Healthy", 120, "the policy Healthy")
+    s.harness.wait_ready("shop", 1)
+
+
+def test_recommend_reads_the_pods_through_the_pod_proxy(setup: Setup) -> None:
+    s = setup
+    start_policy(s)
+    replay = s.replay(s.rate)
+    try:
+        s.kube.wait_for(lambda: s.held() >= SLICE, 120, f"{SLICE} arrivals captured")
+        plugin = Plugin(s.kube, s.namespace)
+        data = plugin.json("recommend", "shop", "--since", "10m")
+        planned = plugin.json("recommend", "shop", "--since", "10m", "--rate", f"{2 * s.rate:.3f}")
+        table = plugin.run("recommend", "shop", "--since", "10m").stdout
+    finally:
+        replay.stop()
+    (pod,) = [p.pod for p in s.harness.endpoints("shop")]
+    assert data["pods"] == [pod] and data["podErrors"] == []
+    assert data["profile"]["model"] == "python:bp_op_models:linear" and 1 in data["profile"]["batchSizes"]
+    (lane,) = data["lanes"]
+    assert lane["lane"] == "interactive"
+    assert lane["traffic"]["requests"] >= SLICE
+    assert lane["traffic"]["rate"] == pytest.approx(s.rate, rel=0.25)
+    assert lane["traffic"]["gapCV"] > 3  # the real trace's bursts, not a uniform load
+    assert lane["current"]["maxBatchSize"] == 1 and lane["current"]["maxQueueDelay"] == "1ms"
+    # At the observed traffic the setting holds (the replay runs below its capacity) ...
+    assert lane["current"]["atObserved"]["meetsTargets"] is True
+    assert BREACH_NOW not in lane["reasons"]
+    assert lane["current"]["capacity"] > lane["observedRowRate"]
+    # ... and at twice the traffic it does not: the plan says so, and no window fixes it.
+    (plan,) = planned["lanes"]
+    assert plan["reasons"][0] == BREACH_GROWTH
+    assert plan["current"]["atPlanned"]["meetsTargets"] is False
+    assert plan["plannedRowRate"] == pytest.approx(2 * s.rate, rel=0.05)
+    assert any("replicas would serve" in n for n in plan["notes"]), plan["notes"]
+    for ops in (data["patch"], planned["patch"]):
+        if ops:
+            assert ops[0] == {"op": "test", "path": "/spec/lanes/0/name", "value": "interactive"}
+    assert "lane interactive" in table and "recommended" in table and "capacity rows/s" in table
+    # The policy was never edited.
+    assert s.kube.get("batchingpolicy", "shop", s.namespace)["metadata"]["generation"] == 1
+
+
+def _kubeconfig_for(kube: Kube, namespace: str, sa: str, path: Path) -> Path:
+    admin = yaml.safe_load(kube.kubeconfig.read_text())
+    token = kube.kubectl("create", "token", sa, "-n", namespace).stdout.strip()
+    admin["users"] = [{"name": sa, "user": {"token": token}}]
+    admin["contexts"] = [{"name": "sa", "context": {"cluster": "local", "user": sa, "namespace": namespace}}]
+    admin["current-context"] = "sa"
+    path.write_text(yaml.safe_dump(admin))
+    return path
+
+
+def test_recommend_needs_exactly_the_documented_rbac(setup: Setup, tmp_path: Path) -> None:
+    s = setup
+    start_policy(s)
+    replay = s.replay(s.rate)
+    try:
+        s.kube.wait_for(lambda: s.held() >= 50, 60, "some arrivals captured")
+    finally:
+        replay.stop()
+    ns = s.namespace
+    s.kube.kubectl("create", "serviceaccount", "recommender", "-n", ns)
+    role = {"apiVersion": "rbac.authorization.k8s.io/v1", "kind": "Role",
+            "metadata": {"name": "recommend", "namespace": ns}, "rules": RBAC_RULES}  # fmt: skip
+    s.kube.apply(role, "-n", ns)
+    s.kube.kubectl(
+        "create", "rolebinding", "recommend", "--role=recommend", f"--serviceaccount={ns}:recommender", "-n", ns
+    )
+    config = _kubeconfig_for(s.kube, ns, "recommender", tmp_path / "sa.kubeconfig")
+    plugin = Plugin(s.kube, ns)
+
+    def run() -> subprocess.CompletedProcess[str]:
+        return subprocess.run(
+            [s.kube.kubectl_bin, "batchpilot", "recommend", "shop", "-o", "json", "--kubeconfig", str(config)],
+            capture_output=True, text=True, env=plugin.env, timeout=120, check=False,
+        )  # fmt: skip
+
+    ok = run()
+    assert ok.returncode == 0, ok.stderr
+    assert json.loads(ok.stdout)["podErrors"] == []
+    # Without pods/proxy the pods cannot be read, and the command says why.
+    role["rules"] = [r for r in RBAC_RULES if r["resources"] != ["pods/proxy"]]
+    s.kube.apply(role, "-n", ns)
+    denied = s.kube.wait_for(lambda: (r := run()).returncode != 0 and r, 30, "the RBAC change to take effect")
+    errors = json.loads(denied.stdout)["podErrors"]
+    assert len(errors) == 1 and "403" in errors[0], errors
