@@ -301,12 +301,16 @@ class Capture:
         if host:
             model["host"] = host
         sources = sorted({p.pop("source") for p in points})
+        delays = sorted(x for cut in self.cut for x in list(cut.samples))
+        dispatch_delay = _quantile(delays, 0.5) if delays else 0.0
         return {
             "apiVersion": CAPTURE_API_VERSION,
             "kind": "LatencyProfile",
             "model": model,
             "quantile": "p90",
             "requestOverhead": "0s",
+            # The median batch cut delay over all lanes: the simulator delays every dispatch by it.
+            "dispatchDelay": format_duration(dispatch_delay),
             "points": points,
             "measuredAt": datetime.now(UTC).strftime("%Y-%m-%dT%H:%M:%SZ"),
             "note": (

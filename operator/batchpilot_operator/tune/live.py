@@ -21,7 +21,8 @@ Merging:
   (the simulator batches rows; a multi-row request is never split in the runtime, so this is
   slightly optimistic for lanes with large requests; the report says the mean rows/request);
 * profiles: per batch size, the slowest pod's p50/p90/p99/mean (conservative: the p99 is set by
-  the slowest replica), samples summed.
+  the slowest replica), samples summed; the largest ``dispatchDelay`` (each pod's median batch
+  cut delay, which the simulator adds to every dispatch).
 
 The recommendation runs :func:`batchpilot_operator.tune.search.search` for the lane's SLO with
 the observed trace (time-scaled to the planned rate: observed x growth, or a given rate), and
@@ -264,6 +265,8 @@ def merge_profiles(docs: Sequence[Mapping[str, Any]]) -> LatencyProfile:
     return first.model_copy(
         update={
             "points": points,
+            "dispatch_delay": max(p.dispatch_delay for p in profiles),
+            "request_overhead": max(p.request_overhead for p in profiles),
             "note": f"merged from {len(profiles)} pod(s): per batch size the slowest pod's times",
         }
     )
@@ -360,7 +363,16 @@ def _predict(
     trace: Trace, profile: LatencyProfile, settings: LaneSettings, rate: float, replicas: int, slo: SLOTargets
 ) -> Prediction:
     table = profile.exec_table(max(settings.max_batch_size, 1))
-    sim = simulate(trace.scaled_arrivals(rate), settings, table, replicas, "random", 0, profile.request_overhead)
+    sim = simulate(
+        trace.scaled_arrivals(rate),
+        settings,
+        table,
+        replicas,
+        "random",
+        0,
+        profile.request_overhead,
+        dispatch_delay=profile.dispatch_delay,
+    )
     t = slo.targets()
     p99 = sim.latency_quantile(t.quantile)
     age = sim.queue_age_quantile(t.quantile)
