@@ -1,6 +1,6 @@
 """Models for the operator's end-to-end tests, loaded by runtime processes as ``python:bp_op_models:<factory>``.
 
-``linear``: 512 -> 8, and each forward pass *sleeps* 2.5 ms per row. Its service time is
+``linear``: 512 -> 8, and each forward pass *sleeps* 5 ms per row. Its service time is
 exact (a sleep, not CPU work, so it holds on a loaded 2-core machine and costs no CPU) and
 grows linearly with the batch, so batching gains nothing: its capacity is set by rows/s
 alone, and a doubling of traffic cannot be absorbed by retuning the window.
@@ -13,7 +13,7 @@ import time
 import torch
 from torch import nn
 
-SECONDS_PER_ROW = 0.0025
+SECONDS_PER_ROW = 0.005
 
 
 class Linear(nn.Module):

@@ -250,3 +250,15 @@ def test_the_recommend_role_manifest_grants_exactly_what_the_code_documents() ->
     role = yaml.safe_load((Path(__file__).parents[2] / "manifests" / "rbac" / "recommend-role.yaml").read_text())
     assert role["kind"] == "ClusterRole"
     assert role["rules"] == RBAC_RULES
+
+
+def test_recommending_from_the_recommended_setting_keeps_it() -> None:
+    # Idempotent: once the tuner's pick is in the policy, the same traffic recommends no change
+    # (a candidate within KEEP_TOLERANCE of the current capacity is not worth a rollout).
+    current = lane_settings_from_spec({**LANE_SETTINGS, "maxBatchSize": 1})
+    traffic = traffic_at(600.0)
+    first = recommend_lane(traffic, PROFILE, current, SLO, replicas=1, growth=2.0)
+    assert first.changed
+    again = recommend_lane(traffic, PROFILE, first.recommended.settings, SLO, replicas=1, growth=2.0)
+    assert not again.changed and again.recommended.capacity == again.current.capacity
+    assert json_patch([{"name": "interactive"}], [again]) == []

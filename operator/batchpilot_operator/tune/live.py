@@ -46,6 +46,8 @@ from batchpilot_operator.tune.trace import Trace
 from batchpilot_runtime.config import format_duration, parse_duration
 
 ARRIVALS_KIND = "ArrivalCapture"
+KEEP_TOLERANCE = 0.03
+"""A recommendation within this fraction of the current setting's capacity keeps the current setting."""
 MORE_CAPACITY_FACTOR = 1.25
 """The recommended setting is 'clearly better' when its capacity is at least this times the current one."""
 
@@ -461,6 +463,10 @@ def recommend_lane(
         current.request_timeout,
     )
     cur_capacity = _capacity(trace, profile, current, slo, replicas)
+    if result.capacity <= cur_capacity * (1 + KEEP_TOLERANCE):
+        # No setting serves clearly more: keep the current one (no churn, no patch). With
+        # maxBatchSize 1, say, every window is the same setting in effect.
+        rec_settings = current
     cur = SettingReport(
         current,
         cur_capacity,
@@ -469,7 +475,7 @@ def recommend_lane(
     )
     rec = SettingReport(
         rec_settings,
-        result.capacity,
+        cur_capacity if rec_settings == current else result.capacity,
         _predict(trace, profile, rec_settings, observed, replicas, slo),
         _predict(trace, profile, rec_settings, planned, replicas, slo),
     )
