@@ -262,3 +262,29 @@ def test_recommending_from_the_recommended_setting_keeps_it() -> None:
     again = recommend_lane(traffic, PROFILE, first.recommended.settings, SLO, replicas=1, growth=2.0)
     assert not again.changed and again.recommended.capacity == again.current.capacity
     assert json_patch([{"name": "interactive"}], [again]) == []
+
+
+def test_when_nothing_serves_the_planned_traffic_a_worse_setting_is_not_recommended() -> None:
+    # A model 10x slower than PROFILE under a 10x looser SLO: one replica serves at most
+    # 32 rows / 60 ms = 533 rows/s, and 300 req/s doubled is beyond every setting. The
+    # search's highest-capacity pick is only worth recommending if it serves that traffic
+    # better than the current setting.
+    slow = LatencyProfile.model_validate(
+        {
+            "model": {"name": "m", "source": "x"},
+            "points": [
+                {"batchSize": b, "p50": f"{t}ms", "p90": f"{t}ms", "p99": f"{t}ms"}
+                for b, t in ((1, 20), (8, 30), (32, 60))
+            ],
+        }
+    )
+    slo = SLOTargets(p99_latency=0.5, queue_age=0.3, margin=0.2)
+    current = lane_settings_from_spec({**LANE_SETTINGS, "maxBatchSize": 32, "maxQueueDelay": "1ms"})
+    rec = recommend_lane(traffic_at(300.0), slow, current, slo, replicas=1, growth=2.0)
+    assert rec.reasons and rec.reasons[0] == BREACH_GROWTH, rec.reasons
+    assert rec.recommended.capacity < rec.planned_rate
+    if rec.changed:
+        assert rec.recommended.at_planned.p99_latency < rec.current.at_planned.p99_latency
+    else:
+        assert rec.recommended.settings == current
+    assert any("replicas would serve" in n for n in rec.notes), rec.notes

@@ -95,7 +95,7 @@ def patch_yaml(name: str, ops: list[dict[str, Any]], data: dict[str, Any]) -> st
             rec = lane["recommended"]
             head.append(
                 f"# lane {lane['lane']}: capacity {lane['current']['capacity']} -> {rec['capacity']} rows/s; "
-                f"planned {lane['plannedRowRate']} rows/s: p99 {rec['atPlanned']['p99Latency']}"
+                f"planned {lane['plannedRowRate']} rows/s: p99 {rec['atPlanned']['p99Latency'] or 'inf'}"
             )
     head.append("# apply in Git (kustomize patches: / kubectl patch --type json), the canary checks it")
     return "\n".join(head) + "\n" + yaml.safe_dump(ops, sort_keys=False)

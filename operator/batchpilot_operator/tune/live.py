@@ -479,6 +479,16 @@ def recommend_lane(
         _predict(trace, profile, rec_settings, observed, replicas, slo),
         _predict(trace, profile, rec_settings, planned, replicas, slo),
     )
+    if rec_settings != current and result.capacity < planned and _p99_key(rec) >= _p99_key(cur):
+        # No setting serves the planned traffic: the highest capacity says nothing about that
+        # traffic, and this one would serve it no better than the current one. Keep it (scale out).
+        notes.append(
+            f"maxBatchSize {rec_settings.max_batch_size} / maxQueueDelay {format_duration(rec_settings.max_queue_delay)} "
+            f"has the highest capacity ({result.capacity:.4g} rows/s) but would serve the planned traffic no better "
+            "than the current setting: kept the current one"
+        )
+        rec = cur
+        rec_settings = current
     reasons: list[str] = []
     if not cur.at_observed.meets_targets or cur.capacity < observed:
         reasons.append(BREACH_NOW)
@@ -501,6 +511,11 @@ def recommend_lane(
         reasons=reasons,
         notes=notes,
     )
+
+
+def _p99_key(report: SettingReport) -> tuple[float, float]:
+    """Order settings by how they serve the planned traffic: p99 latency, then p99 queue age."""
+    return (report.at_planned.p99_latency, report.at_planned.p99_queue_age)
 
 
 def lane_settings_from_spec(lane: Mapping[str, Any]) -> LaneSettings:
