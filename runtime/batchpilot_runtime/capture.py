@@ -34,6 +34,8 @@ from collections.abc import Sequence
 from datetime import UTC, datetime
 from typing import Any
 
+import numpy as np
+
 from batchpilot_runtime.config import LaneConfig, RuntimeConfig, format_duration
 
 DEFAULT_CAPACITY = 65_536
@@ -80,20 +82,37 @@ class ArrivalRing:
 
     def snapshot(self, now: float, since: float | None = None) -> tuple[list[float], list[int]]:
         """Held arrivals no older than ``max_age`` (and than ``since`` seconds), oldest first."""
+        times, rows = self.snapshot_arrays(now, since)
+        return times.tolist(), rows.tolist()
+
+    def snapshot_arrays(
+        self, now: float, since: float | None = None
+    ) -> tuple[np.ndarray[Any, Any], np.ndarray[Any, Any]]:
+        """:meth:`snapshot` as numpy arrays (float64 times, int32 rows)."""
         n = min(self.total, self.capacity)
         start = self.total - n
         horizon = now - self.max_age
         if since is not None:
             horizon = max(horizon, now - since)
-        times: list[float] = []
-        rows: list[int] = []
+        times, rows = self.arrays(start)
+        keep = times >= horizon
+        return times[keep], rows[keep]
+
+    def arrays(self, start: int) -> tuple[np.ndarray[Any, Any], np.ndarray[Any, Any]]:
+        """The slots from arrival ``start`` to the newest, oldest first (vectorised: a snapshot
+        of a full ring takes a few ms on the event loop, not a Python loop over 65,536 slots)."""
         cap = self.capacity
-        for k in range(start, self.total):
-            t = self.times[k % cap]
-            if t >= horizon:
-                times.append(t)
-                rows.append(self.rows[k % cap])
-        return times, rows
+        n = self.total - start
+        times = np.frombuffer(self.times, dtype=np.float64)
+        rows = np.frombuffer(self.rows, dtype=np.int32)
+        first = start % cap
+        if n <= 0:
+            return times[:0].copy(), rows[:0].copy()
+        if first + n <= cap:
+            return times[first : first + n].copy(), rows[first : first + n].copy()
+        return np.concatenate((times[first:], times[: first + n - cap])), np.concatenate(
+            (rows[first:], rows[: first + n - cap])
+        )
 
 
 def _quantile(sorted_values: Sequence[float], q: float) -> float:
@@ -254,8 +273,8 @@ class Capture:
             }
             if self.enabled:
                 ring = self.rings[i]
-                times, rows = ring.snapshot(now, since)
-                base = _wall(times[0], offset) if times else now_wall
+                times, rows = ring.snapshot_arrays(now, since)
+                base = _wall(float(times[0]), offset) if len(times) else now_wall
                 full = ring.total > ring.capacity and len(times) == ring.capacity
                 entry |= {
                     # With the ring full, arrivals before the oldest held one may be lost: the
@@ -266,8 +285,8 @@ class Capture:
                     "held": len(times),
                     "base": base,
                     # Offsets from base (seconds, microsecond resolution) keep the document small.
-                    "times": [round(_wall(t, offset) - base, 6) for t in times],
-                    "rows": rows,
+                    "times": np.round(times + (offset - base), 6).tolist(),
+                    "rows": rows.tolist(),
                 }
             lanes.append(entry)
         return {
