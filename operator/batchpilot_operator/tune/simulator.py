@@ -195,6 +195,7 @@ def _exact_replica(
     overhead: float,
     out: SimResult,
     scale: Sequence[float] | None = None,
+    *,
     delay: float = 0.0,
 ) -> float:
     """Event-by-event engine for one replica. Returns the replica's last event time."""
@@ -260,6 +261,7 @@ def _fast_replica(
     overhead: float,
     out: SimResult,
     scale: Sequence[float] | None = None,
+    *,
     delay: float = 0.0,
 ) -> float:
     """Batch-by-batch engine for one replica; raises _NeedsExact on a drop or an expiry."""
@@ -338,13 +340,19 @@ def simulate(
         if engine == "auto":
             scratch = SimResult(requests=len(part))
             try:
-                end = _fast_replica(part, settings, exec_table, request_overhead, scratch, exec_scale, dispatch_delay)
+                end = _fast_replica(
+                    part, settings, exec_table, request_overhead, scratch, exec_scale, delay=dispatch_delay
+                )
             except _NeedsExact:
                 scratch = SimResult(requests=len(part))
-                end = _exact_replica(part, settings, exec_table, request_overhead, scratch, exec_scale, dispatch_delay)
+                end = _exact_replica(
+                    part, settings, exec_table, request_overhead, scratch, exec_scale, delay=dispatch_delay
+                )
         else:
             scratch = SimResult(requests=len(part))
-            end = _exact_replica(part, settings, exec_table, request_overhead, scratch, exec_scale, dispatch_delay)
+            end = _exact_replica(
+                part, settings, exec_table, request_overhead, scratch, exec_scale, delay=dispatch_delay
+            )
         result.latencies += scratch.latencies
         result.queue_waits += scratch.queue_waits
         result.batch_sizes += scratch.batch_sizes
@@ -430,7 +438,7 @@ def _exact_misses(
     arr: Sequence[float], s: LaneSettings, ex: Sequence[float], targets: Targets, overhead: float, delay: float = 0.0
 ) -> tuple[int, int]:
     sub = SimResult(requests=len(arr))
-    _exact_replica(arr, s, ex, overhead, sub, None, delay)
+    _exact_replica(arr, s, ex, overhead, sub, delay=delay)
     lat_miss = sum(1 for x in sub.latencies if x > targets.latency) + sub.failed
     age_miss = sum(1 for x in sub.queue_waits if x > targets.queue_age) + (len(arr) - len(sub.queue_waits))
     return lat_miss, age_miss
