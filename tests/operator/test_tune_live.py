@@ -288,3 +288,24 @@ def test_when_nothing_serves_the_planned_traffic_a_worse_setting_is_not_recommen
     else:
         assert rec.recommended.settings == current
     assert any("replicas would serve" in n for n in rec.notes), rec.notes
+
+
+def test_policy_recommendation_notes_pods_running_other_settings_than_the_spec() -> None:
+    from batchpilot_operator.spec import parse_spec
+    from batchpilot_operator.tune.live import recommend_policy
+
+    spec = parse_spec(
+        {
+            "model": {"name": "m", "image": "i", "source": "builtin:tiny-mlp"},
+            "lanes": [{"name": "interactive", "maxBatchSize": 64, "maxQueueDelay": "40ms", "maxQueueLength": 1000,
+                       "requestTimeout": "1s"}],
+            "slo": {"p99Latency": "50ms", "maxQueueAge": "30ms"},
+        }
+    )  # fmt: skip
+    times = poisson(100.0, 30.0)
+    doc = capture_doc("a", times, window_start=1000.0, captured_at=1030.0)  # runs LANE_SETTINGS (4 / 1ms)
+    result = recommend_policy(spec, [doc], [profile_doc(1.0)], growth=2.0)
+    (rec,) = result.lanes
+    assert rec.current.settings.max_batch_size == 64  # predictions are for the spec's setting
+    assert any("runs maxBatchSize 4 / maxQueueDelay 1ms, not the spec's 64 / 40ms" in n for n in rec.notes), rec.notes
+    assert result.failed == {}

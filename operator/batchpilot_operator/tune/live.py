@@ -645,9 +645,30 @@ def recommend_policy(
         }
         if len(running) > 1:
             rec.notes.append("pods run different settings for this lane (a rollout in flight)")
+        spec_fields = {"maxBatchSize": lane.max_batch_size, "maxQueueDelay": lane.max_queue_delay}
+        for c in captures:
+            ran = c.lanes[name].settings
+            if not ran:
+                continue
+            ran_fields = {"maxBatchSize": ran.get("maxBatchSize"), "maxQueueDelay": _seconds(ran.get("maxQueueDelay"))}
+            if ran_fields != spec_fields:
+                rec.notes.append(
+                    f"pod {c.pod} (revision {c.revision}) runs maxBatchSize {ran.get('maxBatchSize')} / maxQueueDelay "
+                    f"{ran.get('maxQueueDelay')}, not the spec's {lane.max_batch_size} / "
+                    f"{format_duration(lane.max_queue_delay)} (a rollout in flight, or a rolled-back spec): "
+                    "the traffic was observed under the pods' setting, the predictions are for the spec's"
+                )
+                break
         recs.append(rec)
     patch = json_patch([{"name": ln.name} for ln in spec.lanes], recs)
     return PolicyRecommendation(recs, failed, pods, list(pod_errors), patch, profile)
+
+
+def _seconds(value: Any) -> float | None:
+    try:
+        return parse_duration(value)
+    except ValueError:
+        return None
 
 
 def json_dumps_sorted(value: Any) -> str:
