@@ -33,6 +33,16 @@ network) and server-side (histogram_quantile over the runtime's latency histogra
 operator's analysis would read it). Error is (predicted - measured) / measured, client-side.
 
 Usage: .venv/bin/python bench/tune_validation.py [--requests 3000] [--p99 100ms --queue-age 50ms]
+
+Live path (``--live``): what ``kubectl batchpilot recommend`` and ``spec.tuning`` do, end to end
+on one runtime. For each rate in ``--live-rates``: a runtime with the ``--current`` setting
+serves the trace slice; its own capture (``/admin/arrivals`` over the replay only, and
+``/admin/profile``: forward times from warm-up and live batches, and the median batch cut delay
+as ``dispatchDelay``) goes through the same merge and recommendation
+(``batchpilot_operator.tune.live.recommend_lane``, growth 1: plan for the observed traffic);
+then a fresh runtime with the recommended setting serves the same arrivals. Each row compares
+a prediction (the current setting's, from its own capture; the recommended one's) with the
+measurement, client-side and server-side, with the cut delay modelled and without.
 """
 
 from __future__ import annotations
@@ -247,6 +257,127 @@ def search_only(trace: Trace, profile: LatencyProfile, args: argparse.Namespace)
     }
 
 
+def fetch_json(url: str) -> Any:
+    with urllib.request.urlopen(url, timeout=30) as r:
+        return json.loads(r.read())
+
+
+def measured_row(res: dict[str, Any], delta: list[tuple[str, dict[str, str], float]]) -> dict[str, Any]:
+    batches = metric_sum(delta, "batchpilot_batch_size_rows_count")
+    rows_total = metric_sum(delta, "batchpilot_batch_size_rows_sum")
+    return {
+        "p99_ms": _num(res["slo_p99_ms"]),
+        "p50_ms": _num(res["latency_ms"]["p50"]),
+        "server_p99_ms": _ms(histogram_quantile(delta, "batchpilot_request_latency_seconds", 0.99)),
+        "server_p99_queue_age_ms": _ms(histogram_quantile(delta, "batchpilot_queue_age_seconds", 0.99)),
+        "server_p50_cut_delay_ms": _ms(histogram_quantile(delta, "batchpilot_batch_cut_delay_seconds", 0.5)),
+        "mean_batch": round(rows_total / batches, 2) if batches else None,
+        "throughput_rps": _num(res["ok_per_s"]),
+        "errors": res["errors"],
+        "send_lag_p99_ms": _num(res["send_lag_ms"]["p99"]),
+    }
+
+
+def _err(pred: float | None, meas: float | None) -> float | None:
+    if pred is None or not meas:
+        return None
+    return round((pred - meas) / meas * 100, 1)
+
+
+def live(trace: Trace, args: argparse.Namespace) -> dict[str, Any]:
+    """The live path (see the module docstring)."""
+    from batchpilot_operator.tune.live import merge_profiles, merge_traffic, parse_capture, recommend_lane
+
+    b, w = args.current.split(":")
+    current = LaneSettings(int(b), parse_duration(w), 100_000, 30.0)
+    slo = SLOTargets(parse_duration(args.p99), parse_duration(args.queue_age), args.margin)
+    body = benchlib.mlp_body(1)
+    rows: list[dict[str, Any]] = []
+    with tempfile.TemporaryDirectory(prefix="bp-tune-live-") as tmpdir:
+        tmp = Path(tmpdir)
+        for rate in [float(x) for x in args.live_rates.split(",") if x]:
+            offsets = [round(t, 6) for t in trace.scaled_arrivals(rate)]
+            log(
+                f"live: current B={current.max_batch_size} W={format_duration(current.max_queue_delay)} at {rate} req/s"
+            )
+            rt = Runtime(tmp, args.source, args.threads, current, args.switch_interval)
+            try:
+                replay(rt, [k * 0.02 for k in range(50)], body)  # warm up (outside the capture window)
+                before = scrape(rt.url)
+                t0 = time.time()
+                res = replay(rt, offsets, body)
+                since = time.time() - t0 + 0.2
+                after = scrape(rt.url)
+                capture = fetch_json(f"{rt.url}/admin/arrivals?since={since:.3f}s")
+                prof_doc = fetch_json(f"{rt.url}/admin/profile")
+            finally:
+                rt.stop()
+            traffic = merge_traffic([parse_capture(capture, pod="bench")], "interactive")
+            profile = merge_profiles([prof_doc]).model_copy(update={"quantile": args.exec_quantile})
+            rec = recommend_lane(traffic, profile, current, slo, replicas=1, growth=1.0)
+            measured_current = measured_row(res, _delta(before, after))
+            new = rec.recommended.settings
+            log(f"live: recommended B={new.max_batch_size} W={format_duration(new.max_queue_delay)}")
+            rt = Runtime(tmp, args.source, args.threads, new, args.switch_interval)
+            try:
+                replay(rt, [k * 0.02 for k in range(50)], body)
+                before = scrape(rt.url)
+                res2 = replay(rt, offsets, body)
+                after = scrape(rt.url)
+            finally:
+                rt.stop()
+            measured_new = measured_row(res2, _delta(before, after))
+            for kind, report, meas in (
+                ("current", rec.current, measured_current),
+                ("recommended", rec.recommended, measured_new),
+            ):
+                pred = _ms(report.at_observed.p99_latency)
+                # The same simulation without the cut delay (what the tuner predicted before).
+                pred0 = _ms(
+                    simulate(
+                        traffic.trace().scaled_arrivals(traffic.row_rate),
+                        report.settings,
+                        profile.exec_table(report.settings.max_batch_size),
+                    ).latency_quantile()
+                )
+                row = {
+                    "kind": kind,
+                    "setting": {
+                        "maxBatchSize": report.settings.max_batch_size,
+                        "maxQueueDelay": format_duration(report.settings.max_queue_delay),
+                    },
+                    "rate_rps": rate,
+                    "captured": traffic.summary(),
+                    "profile_dispatch_delay_ms": round(profile.dispatch_delay * 1e3, 3),
+                    "predicted": {
+                        "p99_ms": pred,
+                        "p99_queue_age_ms": _ms(report.at_observed.p99_queue_age),
+                        "mean_batch": round(report.at_observed.mean_batch, 2),
+                        "capacity_rps": round(report.capacity, 2),
+                        "p99_ms_without_cut_delay": pred0,
+                    },
+                    "measured": meas,
+                    "p99_error_pct_client": _err(pred, meas["p99_ms"]),
+                    "p99_error_pct_server": _err(pred, meas["server_p99_ms"]),
+                    "p99_error_pct_server_without_cut_delay": _err(pred0, meas["server_p99_ms"]),
+                    "loadavg_1m": round(os.getloadavg()[0], 2),
+                }
+                rows.append(row)
+                log(json.dumps(row))
+    within = [r for r in rows if r["p99_error_pct_server"] is not None and abs(r["p99_error_pct_server"]) <= 20]
+    within_c = [r for r in rows if r["p99_error_pct_client"] is not None and abs(r["p99_error_pct_client"]) <= 20]
+    return {
+        "mode": "live",
+        "trace": {"source": trace.source, "requests": trace.count, "gap_cv": round(trace.gap_cv(), 2)},
+        "traces_available": "one real trace (Azure LLM code, 2023) exists in ../shared/traces; no second shape",
+        "current": args.current,
+        "slo": {"p99": args.p99, "queue_age": args.queue_age, "margin": args.margin},
+        "rows": rows,
+        "rows_within_20pct_server": f"{len(within)}/{len(rows)}",
+        "rows_within_20pct_client": f"{len(within_c)}/{len(rows)}",
+    }
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--trace", default=str(benchlib.TRACE))
@@ -263,6 +394,9 @@ def main() -> int:
     ap.add_argument("--calib-rate", type=float, default=20.0, help="req/s of the overhead calibration stream")
     ap.add_argument("--search-only", action="store_true", help="time the search, check monotonicity; no runtime")
     ap.add_argument("--switch-interval", type=float, help="experiment: sys.setswitchinterval() in the runtime")
+    ap.add_argument("--live", action="store_true", help="the live path: capture, recommend, measure (see above)")
+    ap.add_argument("--live-rates", default="40,80", help="req/s to replay in the live path")
+    ap.add_argument("--current", default="8:2ms", help="the live path's current setting B:W")
     ap.add_argument("--out", help="also write the JSON here")
     args = ap.parse_args()
 
@@ -270,6 +404,13 @@ def main() -> int:
     trace = Trace.from_times(full.arrivals[: args.requests], full.source) if args.requests else full
     log(f"trace slice: {trace.count} requests over {trace.duration:.0f}s (gap CV {trace.gap_cv():.3g})")
 
+    if args.live:
+        out_live = live(trace, args)
+        text = json.dumps(out_live, indent=2)
+        print(text)
+        if args.out:
+            Path(args.out).write_text(text)
+        return 0
     if args.profile:
         profile = load_profile(args.profile)
     else:

@@ -15,7 +15,7 @@ from typing import Any
 
 from pydantic import ValidationError
 
-from batchpilot_operator import children, opmetrics
+from batchpilot_operator import children, opmetrics, recommender
 from batchpilot_operator.analysis import AnalysisResult, MetricsBackend, run_analysis
 from batchpilot_operator.children import LABEL_REVISION, Manifest, Track
 from batchpilot_operator.kube import Kube, same_json
@@ -98,6 +98,7 @@ def reconcile(
         return ReconcileResult(0, None, None)
 
     status = Status.from_dict(body.get("status"))
+    status = recommender.refresh(kube, spec, body, status, now, emit)  # spec.tuning; no I/O unless due
     deployments: dict[Track, Manifest | None] = {
         track: kube.get("apps/v1", "Deployment", namespace, children.deployment_name(name, track))
         for track in ("stable", "canary")

@@ -10,6 +10,7 @@ Installed as the console script ``kubectl-batchpilot``, so ``kubectl batchpilot 
     kubectl batchpilot pause NAME       hold the rollout (the step clock stops, no analysis)
     kubectl batchpilot resume NAME      continue a paused rollout
     kubectl batchpilot retry NAME       canary a rolled-back revision again
+    kubectl batchpilot recommend NAME   batching settings from the pods' own traffic (a patch for Git)
 
 Commands never edit the spec (Git stays the source of truth): they set annotations the
 operator watches (``batchpilot.dev/{promote,abort,retry,pause}``) to ``<user>@<RFC 3339
@@ -35,7 +36,7 @@ from typing import Any, cast
 import yaml
 from rich.console import Console
 
-from batchpilot_operator.oncall import render
+from batchpilot_operator.oncall import recommend, render
 from batchpilot_operator.planner import (
     ABORT_ANNOTATION,
     PAUSE_ANNOTATION,
@@ -240,6 +241,7 @@ def build_parser() -> argparse.ArgumentParser:
             help="wait until the operator has handled the command, then show the phase",
         )
         p.set_defaults(func=cmd_command)
+    recommend.register(sub, common, recommend.cmd_recommend)
     return parser
 
 

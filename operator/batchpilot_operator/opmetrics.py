@@ -56,6 +56,12 @@ STALLED = Gauge(
     "1 while the policy's Stalled condition is True with this reason",
     ["namespace", "policy", "reason"],
 )
+SETTINGS_STALE = Gauge(
+    "batchpilot_operator_settings_stale",
+    "1 while spec.tuning predicts a lane's batching setting stale, with the reason "
+    "(BreachAtCurrentTraffic, BreachAtPlannedGrowth, MoreCapacityAvailable); set by recommender.py",
+    ["namespace", "policy", "lane", "reason"],
+)
 PHASES = ("Pending", "Progressing", "Paused", "Healthy", "RolledBack", "Degraded")
 
 
@@ -94,7 +100,7 @@ def _stalled_series(namespace: str, policy: str) -> list[tuple[tuple[str, str, s
 
 def forget(namespace: str, policy: str) -> None:
     """Drop a deleted policy's gauges."""
-    for gauge in (LANE_SLO, LANE_MAX_ERROR_RATIO, STALLED):
+    for gauge in (LANE_SLO, LANE_MAX_ERROR_RATIO, STALLED, SETTINGS_STALE):
         for metric in gauge.collect():
             for sample in metric.samples:
                 if sample.labels.get("namespace") == namespace and sample.labels.get("policy") == policy:

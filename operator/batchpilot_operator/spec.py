@@ -168,6 +168,31 @@ class RolloutSpec(_Spec):
         return self
 
 
+MAX_TUNING_WINDOW = 3600.0
+"""The runtime keeps at most an hour of arrivals (batchpilot_runtime.capture.DEFAULT_MAX_AGE)."""
+
+
+class TuningSpec(_Spec):
+    """Scheduled recommendations from the pods' own traffic (absent: off). Never edits the spec."""
+
+    interval: Duration = Field(default=3600.0, ge=10.0, description="how often to recommend")
+    window: Duration | None = Field(
+        default=None, description="arrivals to read, back from now (default: the interval, at most 1h)"
+    )
+    growth: float = Field(default=2.0, ge=1.0, le=100.0, description="traffic growth to plan for (2: doubling)")
+    margin: float = Field(default=0.2, ge=0.0, lt=1.0, description="safety margin under the SLO")
+
+    @model_validator(mode="after")
+    def _window(self) -> TuningSpec:
+        if self.window is not None and not 0 < self.window <= MAX_TUNING_WINDOW:
+            raise ValueError("spec.tuning.window must be greater than zero and at most 1h (the runtime keeps 1h)")
+        return self
+
+    @property
+    def read_window(self) -> float:
+        return self.window if self.window is not None else min(self.interval, MAX_TUNING_WINDOW)
+
+
 class PolicySpec(_Spec):
     model: ModelSpec
     replicas: int = Field(default=1, ge=1, le=1000)
@@ -178,6 +203,7 @@ class PolicySpec(_Spec):
     default_lane: str | None = Field(default=None, alias="defaultLane")
     slo: SLO
     rollout: RolloutSpec = Field(default_factory=RolloutSpec)
+    tuning: TuningSpec | None = None
 
     @model_validator(mode="after")
     def _policy_rules(self) -> PolicySpec:

@@ -24,7 +24,7 @@ Wire shape (all keys camelCase; optional keys are omitted when empty)::
               pausedAt}
     failedRevisions: [{revision, time, reason, evidence}]
     handledCommands: {promote|abort|retry|pause: <last handled annotation value>}
-    conditions: [{type: Ready|Reconciling|Stalled, status, reason, message,
+    conditions: [{type: Ready|Reconciling|Stalled|SettingsStale, status, reason, message,
                   lastTransitionTime, observedGeneration}]
     lastAnalysis: {time, revision, outcome, window, lanes: [{lane, outcome, p99Latency,
                    p99LatencySlo, queueAge, maxQueueAge, errorRate, maxErrorRate,
@@ -32,6 +32,8 @@ Wire shape (all keys camelCase; optional keys are omitted when empty)::
                    stableErrorRate, stableSamples}]}
     ledger: [{time, kind, revision, ...}]   (bounded, newest last)
     history: [{revision, outcome, time, reason, evidence}] (bounded, newest last)
+    recommendation: {time, nextAt, window, growth, margin, stale, reason, message, pods,
+                     lanes: [...], failed, patch}   (spec.tuning only; see Recommendation)
 
 Datetimes are RFC 3339 strings in UTC (``2026-11-30T01:45:00Z``).
 """
@@ -72,7 +74,7 @@ class _Model(BaseModel):
     model_config = ConfigDict(populate_by_name=True, extra="ignore")
 
 
-ConditionType = Literal["Ready", "Reconciling", "Stalled"]
+ConditionType = Literal["Ready", "Reconciling", "Stalled", "SettingsStale"]
 ConditionStatus = Literal["True", "False", "Unknown"]
 
 
@@ -199,6 +201,28 @@ class AnalysisSummary(_Model):
     lanes: list[LaneSummary] = Field(default_factory=list)
 
 
+class Recommendation(_Model):
+    """The last scheduled recommendation (spec.tuning), written by recommender.py.
+
+    ``lanes`` holds, per lane, what ``kubectl batchpilot recommend -o json`` shows: the observed
+    traffic, the current and the recommended setting with capacity and predicted p99 / queue age
+    at the observed and the planned traffic, and the reasons it is stale.
+    """
+
+    time: datetime
+    next_at: datetime = Field(alias="nextAt")
+    window: str
+    growth: float
+    margin: float
+    stale: bool = False
+    reason: str | None = None
+    message: str = ""
+    pods: list[str] = Field(default_factory=list)
+    lanes: list[dict[str, Any]] = Field(default_factory=list)
+    failed: dict[str, str] = Field(default_factory=dict)
+    patch: list[dict[str, Any]] = Field(default_factory=list)
+
+
 class Status(_Model):
     observed_generation: int | None = Field(default=None, alias="observedGeneration")
     phase: Phase | None = None
@@ -220,6 +244,7 @@ class Status(_Model):
     last_analysis: AnalysisSummary | None = Field(default=None, alias="lastAnalysis")
     ledger: list[LedgerEntry] = Field(default_factory=list)
     history: list[HistoryEntry] = Field(default_factory=list)
+    recommendation: Recommendation | None = None
 
     @classmethod
     def from_dict(cls, data: dict[str, Any] | None) -> Status:

@@ -101,6 +101,8 @@ class Batch:
     requests: list[Pending]
     rows: int
     formed_at: float
+    cut_delay: float | None = None
+    """Seconds the cut came after ``max(due, model free)`` (the dispatch rule); None when flushing."""
 
 
 class QueueFull(Exception):
@@ -216,6 +218,21 @@ class Scheduler:
         return batch, expired
 
 
+def cut_delay(cfg: LaneConfig, batch: Sequence[Pending], rows: int, now: float, free_at: float) -> float:
+    """How long after the dispatch rule's instant a batch was cut (seconds, >= 0).
+
+    The rule (and the tuner's simulator) dispatches at ``max(due, free)``: ``due`` is when the
+    window of the oldest row expired or when the batch filled (the arrival of the request that
+    completed ``max_batch_size`` rows), ``free`` when the model returned from the previous
+    batch. Anything later is time the worker spent elsewhere: handing results to the event
+    loop, waiting for the lock or the GIL, waking from its timer.
+    """
+    due = batch[0].arrival + cfg.max_queue_delay
+    if rows >= cfg.max_batch_size:
+        due = min(due, batch[-1].arrival)
+    return max(0.0, now - max(due, free_at))
+
+
 RunFn = Callable[[np.ndarray[Any, Any]], np.ndarray[Any, Any]]
 DeliverFn = Callable[[Batch, "np.ndarray[Any, Any] | None", "BaseException | None", float], None]
 ExpireFn = Callable[[list[Pending]], None]
@@ -236,6 +253,7 @@ class BatchWorker:
         expire: ExpireFn,
         on_dispatch: Callable[[Batch], None] | None = None,
         clock: Callable[[], float] = time.perf_counter,
+        on_admit: Callable[[int, float, int], None] | None = None,
     ) -> None:
         self.scheduler = Scheduler(lanes)
         self.lock = threading.Lock()
@@ -244,7 +262,9 @@ class BatchWorker:
         self._deliver = deliver
         self._expire = expire
         self._on_dispatch = on_dispatch
+        self._on_admit = on_admit
         self._clock = clock
+        self._free_at = -float("inf")  # when the model returned from the previous batch
         self._flush = False
         self._stop = False
         self._waiting = False
@@ -265,6 +285,8 @@ class BatchWorker:
             self.scheduler.admit(req)
             if self._waiting:
                 self.cond.notify()
+        if self._on_admit is not None:
+            self._on_admit(req.lane, req.arrival, req.rows)
 
     def withdraw(self, req: Pending, state: State) -> bool:
         with self.lock:
@@ -301,7 +323,9 @@ class BatchWorker:
                     if expired:
                         self._expire(expired)
                     if batch:
-                        return Batch(lane=lane, requests=batch, rows=sum(r.rows for r in batch), formed_at=now)
+                        rows = sum(r.rows for r in batch)
+                        delay = None if self._flush else cut_delay(lane.cfg, batch, rows, now, self._free_at)
+                        return Batch(lane=lane, requests=batch, rows=rows, formed_at=now, cut_delay=delay)
                     continue
                 if self._stop and sched.pending_count() == 0:
                     return None
@@ -331,6 +355,7 @@ class BatchWorker:
                 error = exc
                 output = None
             exec_s = self._clock() - t0
+            self._free_at = t0 + exec_s
             self.batches += 1
             self._deliver(batch, output, error, exec_s)
             self.busy_seconds += self._clock() - batch.formed_at

@@ -87,6 +87,12 @@ class Metrics:
         self.batch_rows = Histogram(
             "batchpilot_batch_size_rows", "Rows per executed batch", labels, buckets=BATCH_BUCKETS, registry=r
         )
+        self.cut_delay = Histogram(
+            "batchpilot_batch_cut_delay_seconds",
+            "How long after max(window expiry or batch full, model free) a batch was cut: the "
+            "load-dependent delay before dispatch (event loop and model thread sharing cores)",
+            labels, buckets=LATENCY_BUCKETS, registry=r,
+        )  # fmt: skip
         self.requests = Counter("batchpilot_requests", "Requests by outcome", [*labels, "outcome"], registry=r)
         self.info = Gauge(
             "batchpilot_runtime_info", "Runtime build and placement (always 1)",
@@ -102,6 +108,7 @@ class Metrics:
         self.age = {lane: self.queue_age.labels(lane, revision) for lane in lanes}
         self.exe = {lane: self.exec_time.labels(lane, revision) for lane in lanes}
         self.rows = {lane: self.batch_rows.labels(lane, revision) for lane in lanes}
+        self.cut = {lane: self.cut_delay.labels(lane, revision) for lane in lanes}
         self.count = {
             (lane, outcome): self.requests.labels(lane, revision, outcome) for lane in all_lanes for outcome in OUTCOMES
         }

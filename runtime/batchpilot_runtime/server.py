@@ -26,8 +26,9 @@ from typing import Any
 import numpy as np
 from aiohttp import web
 
-from batchpilot_runtime import __version__
+from batchpilot_runtime import __version__, admin
 from batchpilot_runtime.batcher import Batch, BatchWorker, Pending, QueueFull, State
+from batchpilot_runtime.capture import WARMUP_PASSES, Capture, capture_bounds_from_env
 from batchpilot_runtime.config import RuntimeConfig, load_config
 from batchpilot_runtime.metrics import CONTENT_TYPE, UNKNOWN_LANE, Metrics
 from batchpilot_runtime.models import LoadedModel, TensorSpec, warmup_sizes
@@ -76,12 +77,15 @@ class Runtime:
         self.loop: asyncio.AbstractEventLoop | None = None
         self.idle = asyncio.Event()
         self.idle.set()
+        self.capture = Capture(cfg, track, *capture_bounds_from_env())
 
     # -- startup -----------------------------------------------------------------------------
     def load(self) -> None:
         """Load and warm the model (runs in a thread while liveness already answers)."""
         model = LoadedModel(self.cfg.model)
-        model.warmup(warmup_sizes([lane.max_batch_size for lane in self.cfg.lanes]))
+        sizes = warmup_sizes([lane.max_batch_size for lane in self.cfg.lanes])
+        model.warmup(sizes)
+        admin.profile_warmup(model, sizes, WARMUP_PASSES, self.capture.profile)
         self.model = model
 
     async def start(self) -> None:
@@ -95,7 +99,11 @@ class Runtime:
             raise
         assert self.model is not None
         self.worker = worker = BatchWorker(
-            self.cfg.lanes, self.model.run, self._deliver_threadsafe, self._expire_threadsafe
+            self.cfg.lanes,
+            self.model.run,
+            self._deliver_threadsafe,
+            self._expire_threadsafe,
+            on_admit=self.capture.record if self.capture.enabled else None,
         )
         self.metrics = Metrics(
             self.cfg.revision,
@@ -126,6 +134,11 @@ class Runtime:
             age = m.age[lane]
             for r in batch.requests:
                 age.observe(r.dispatched_at - r.arrival)
+            if batch.cut_delay is not None:
+                m.cut[lane].observe(batch.cut_delay)
+                self.capture.cut[batch.lane.index].add(batch.cut_delay)
+        if output is not None:
+            self.capture.profile.add_live(batch.rows, exec_s)
         assert self.loop is not None
         self.loop.call_soon_threadsafe(self._deliver, batch, output, error)
 
@@ -349,6 +362,7 @@ def build_app(rt: Runtime) -> web.Application:
     app.router.add_get("/v2/models/{name}/ready", rt.model_ready)
     app.router.add_post("/v2/models/{name}/infer", rt.infer)
     app.router.add_get("/metrics", rt.metrics_handler)
+    admin.add_routes(app, rt)
     return app
 
 

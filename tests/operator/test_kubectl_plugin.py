@@ -171,5 +171,5 @@ def test_plugin_help_lists_the_commands() -> None:
     exe = shutil.which("kubectl-batchpilot", path=str(Path(sys.executable).parent))
     assert exe is not None
     out = subprocess.run([exe, "--help"], capture_output=True, text=True, check=True, timeout=30).stdout
-    for verb in ("status", "history", "promote", "abort", "pause", "resume", "retry"):
+    for verb in ("status", "history", "promote", "abort", "pause", "resume", "retry", "recommend"):
         assert verb in out

@@ -19,6 +19,8 @@ import shutil
 import signal
 import ssl
 import subprocess
+import sys
+import tempfile
 import time
 import urllib.request
 from collections.abc import Iterator
@@ -30,6 +32,8 @@ from batchpilot_operator.localdev import free_port
 
 REPO_ROOT = Path(__file__).resolve().parents[3]
 DEFAULT_BIN_DIR = REPO_ROOT / ".cache" / "k8s-bin"
+POD_ROUTES = "pod-routes"
+"""Directory (next to the kubeconfig) of the pod network's routes: see localdev/podnet.py."""
 BINARIES = ("etcd", "kube-apiserver", "kube-controller-manager", "kube-scheduler", "kubectl", "kwok")
 ADMIN_TOKEN = "batchpilot-local-admin-token"
 CONTROLLERS = ",".join(
@@ -155,6 +159,24 @@ current-context: local
     )
 
 
+def egress_selector_config(socket_path: Path) -> str:
+    """Send the apiserver's cluster traffic (pod/service/node proxy) through the local pod network.
+
+    Over a Unix socket: kube-apiserver v1.34 accepts an ``http://`` TCP proxy URL in validation
+    but then dereferences the absent TLS config and crashes.
+    """
+    return f"""apiVersion: apiserver.k8s.io/v1beta1
+kind: EgressSelectorConfiguration
+egressSelections:
+- name: cluster
+  connection:
+    proxyProtocol: HTTPConnect
+    transport:
+      uds:
+        udsName: {socket_path}
+"""
+
+
 def gpu_node_manifest(name: str, gpus: int = 8) -> str:
     return f"""apiVersion: v1
 kind: Node
@@ -201,7 +223,16 @@ class LocalCluster:
         kubeconfig = workdir / "kubeconfig"
         write_kubeconfig(kubeconfig, server, pki / "ca.crt", ADMIN_TOKEN)
         cluster = cls(workdir=workdir, server=server, kubeconfig=kubeconfig, bin_dir=directory)
+        podnet_socket = workdir / "podnet.sock"
+        if len(str(podnet_socket)) > 100:  # a Unix socket path has at most 107 bytes
+            podnet_socket = Path(tempfile.mkdtemp(prefix="bp-podnet-")) / "podnet.sock"
+        (workdir / "egress-selector.yaml").write_text(egress_selector_config(podnet_socket))
         try:
+            cluster._spawn(
+                "podnet",
+                ["--socket", str(podnet_socket), "--routes", str(workdir / POD_ROUTES)],
+                command=[sys.executable, "-m", "batchpilot_operator.localdev.podnet"],
+            )
             cluster._spawn(
                 "etcd",
                 [
@@ -238,6 +269,7 @@ class LocalCluster:
                     "--profiling=false",
                     "--disable-admission-plugins=ServiceAccount",
                     "--endpoint-reconciler-type=none",
+                    f"--egress-selector-config-file={workdir / 'egress-selector.yaml'}",
                     "--v=1",
                 ],
             )
@@ -300,10 +332,13 @@ class LocalCluster:
         cluster.started_in = time.monotonic() - t0
         return cluster
 
-    def _spawn(self, name: str, args: list[str]) -> None:
+    def _spawn(self, name: str, args: list[str], command: list[str] | None = None) -> None:
         log = (self.workdir / "logs" / f"{name}.log").open("wb")
         self.processes[name] = subprocess.Popen(
-            [str(self.bin_dir / name), *args], stdout=log, stderr=subprocess.STDOUT, start_new_session=True
+            [*(command or [str(self.bin_dir / name)]), *args],
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
         )
 
     def stop(self) -> None:

@@ -5,7 +5,7 @@ harness (one runtime server process per pod), applies the demo policy, replays t
 arrival trace against it, then applies two changes the way a GitOps pipeline would
 (server-side apply under Argo CD's field manager): a good one, promoted through every step,
 and a bad one, rolled back by the operator. It prints progress as it goes, ends with
-``kubectl batchpilot status`` and ``history``, and writes a report (PNG plot of p99 latency
+``kubectl batchpilot status``, ``history`` and ``recommend``, and writes a report (PNG plot of p99 latency
 and queue age per revision over time with the rollout events marked, plus the ledger).
 Everything runs under one work directory that is wiped at the start: safe to re-run.
 """
@@ -330,6 +330,9 @@ def run_demo(workdir: Path, rate: float, trace: Path) -> int:
         console.print(demo.plugin("status"), markup=False, highlight=False)
         console.rule("kubectl batchpilot history")
         console.print(demo.plugin("history"), markup=False, highlight=False)
+        # The loop closed: what the pods' own traffic says about the settings now in Git.
+        console.rule("kubectl batchpilot recommend")
+        console.print(demo.plugin("recommend", "--since", "10m"), markup=False, highlight=False)
         png = write_report(demo, demo.status() or final, workdir / "report")
     console.rule("done")
     console.print(f"report: {png} (ledger.json and history.json beside it)")

@@ -29,7 +29,8 @@ from typing import Any
 from kubernetes import client, config
 
 from batchpilot_operator.children import CONFIG_KEY, LABEL_POLICY, LABEL_REVISION, LABEL_TRACK
-from batchpilot_operator.localdev import free_port
+from batchpilot_operator.localdev import free_port, podnet
+from batchpilot_operator.localdev.cluster import POD_ROUTES
 from batchpilot_operator.localdev.prometheus import PrometheusServer, ScrapeTarget
 
 
@@ -42,6 +43,8 @@ class RuntimeProcess:
     port: int
     proc: subprocess.Popen[bytes]
     ready: bool = False
+    pod_ip: str | None = None
+    pod_port: int | None = None
 
     @property
     def url(self) -> str:
@@ -60,6 +63,10 @@ class RuntimeHarness:
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self.errors: list[str] = []
+        # The local pod network (localdev/podnet.py): the apiserver's pod proxy reaches a pod's
+        # ip:port through it, and it forwards to the process playing that pod on 127.0.0.1.
+        routes = Path(kubeconfig).parent / POD_ROUTES
+        self.routes: Path | None = routes if routes.is_dir() else None
         self._write_targets()
 
     # ---- lifecycle ---------------------------------------------------------------------
@@ -128,7 +135,12 @@ class RuntimeHarness:
         port = free_port()
         track = labels.get(LABEL_TRACK, "stable")
         log = (self.workdir / f"{pod.metadata.name}.log").open("wb")
-        env = {**os.environ, "BATCHPILOT_TRACK": track, "PYTHONUNBUFFERED": "1"}
+        env = {
+            **os.environ,
+            "BATCHPILOT_TRACK": track,
+            "BATCHPILOT_POD_NAME": pod.metadata.name,
+            "PYTHONUNBUFFERED": "1",
+        }
         proc = subprocess.Popen(
             [
                 sys.executable,
@@ -148,6 +160,11 @@ class RuntimeHarness:
             env=env,
             start_new_session=True,
         )
+        pod_ip: str | None = pod.status.pod_ip
+        ports = [p.container_port for c in pod.spec.containers for p in (c.ports or [])]
+        pod_port = ports[0] if ports else None
+        if self.routes is not None and pod_ip and pod_port:
+            podnet.write_route(self.routes, pod_ip, pod_port, f"127.0.0.1:{port}")
         self.procs[pod.metadata.name] = RuntimeProcess(
             pod=pod.metadata.name,
             policy=labels.get(LABEL_POLICY, ""),
@@ -155,10 +172,14 @@ class RuntimeHarness:
             track=track,
             port=port,
             proc=proc,
+            pod_ip=pod_ip,
+            pod_port=pod_port,
         )
 
     def _terminate(self, name: str) -> None:
         proc = self.procs.pop(name)
+        if self.routes is not None and proc.pod_ip and proc.pod_port:
+            podnet.remove_route(self.routes, proc.pod_ip, proc.pod_port)
         if proc.proc.poll() is None:
             with contextlib.suppress(ProcessLookupError):
                 os.killpg(proc.proc.pid, signal.SIGTERM)

@@ -8,6 +8,7 @@ The file is small YAML (JSON is YAML too), written by ``batchpilot profile`` and
     model: {name: mlp, source: "builtin:mlp", device: cpu, dtype: float32, threads: 2}
     quantile: p90            # which column exec_time() reads (conservative by default)
     requestOverhead: 150us   # per request, outside the model (HTTP, decode); not executor time
+    dispatchDelay: 300us     # optional: each batch is cut this late (runtime's /admin/profile sets it)
     points:
       - {batchSize: 1, p50: 1.1ms, p90: 1.3ms, p99: 2ms, mean: 1.2ms, samples: 100}
       - {batchSize: 8, p50: 2.9ms, p90: 3.2ms, p99: 4ms, mean: 3ms, samples: 100}
@@ -90,6 +91,12 @@ class LatencyProfile(_Model):
         default=0.0,
         alias="requestOverhead",
         description="per-request time outside the model executor (HTTP, decoding); adds to latency only",
+    )
+    dispatch_delay: Duration = Field(
+        default=0.0,
+        alias="dispatchDelay",
+        description="typical delay of each batch cut past the dispatch rule (the runtime's measured "
+        "batch cut delay); delays the executor too, unlike requestOverhead",
     )
     points: list[ProfilePoint] = Field(min_length=1)
     measured_at: str | None = Field(default=None, alias="measuredAt")

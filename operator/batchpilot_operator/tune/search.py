@@ -164,6 +164,7 @@ class _Evaluator:
         self.seed = seed
         self.table = profile.exec_table(max_batch, quantile)
         self.overhead = profile.request_overhead
+        self.delay = profile.dispatch_delay
         self.runs = 0
 
     def parts(self, rate: float) -> list[list[float]]:
@@ -172,12 +173,21 @@ class _Evaluator:
 
     def ok(self, settings: LaneSettings, rate: float, targets: Targets) -> bool:
         self.runs += 1
-        return meets_slo(self.parts(rate), settings, self.table, targets, self.overhead)
+        return meets_slo(self.parts(rate), settings, self.table, targets, self.overhead, self.delay)
 
     def run(self, settings: LaneSettings, rate: float) -> SimResult:
         self.runs += 1
         arrivals = [t / rate for t in self.unit]
-        return simulate(arrivals, settings, self.table, self.replicas, self.split, self.seed, self.overhead)
+        return simulate(
+            arrivals,
+            settings,
+            self.table,
+            self.replicas,
+            self.split,
+            self.seed,
+            self.overhead,
+            dispatch_delay=self.delay,
+        )
 
 
 def _capacity(

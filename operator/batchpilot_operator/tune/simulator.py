@@ -213,6 +213,8 @@ def _exact_replica(
     out: SimResult,
     scale: Sequence[float] | None = None,
     records: list[RequestRecord] | None = None,
+    *,
+    delay: float = 0.0,
 ) -> float:
     """Event-by-event engine for one replica. Returns the replica's last event time.
     With ``records``, every request's fate is appended to it as well."""
@@ -241,7 +243,7 @@ def _exact_replica(
         due = queue[0] + W
         if len(queue) >= B:
             due = min(due, queue[B - 1])
-        t = max(due, free)
+        t = max(due, free) + delay
         expiry = queue[0] + TO
         if nxt < n and arr[nxt] <= t and arr[nxt] < expiry:
             # An arrival comes first (or at the dispatch instant): admit or reject it.
@@ -284,6 +286,8 @@ def _fast_replica(
     overhead: float,
     out: SimResult,
     scale: Sequence[float] | None = None,
+    *,
+    delay: float = 0.0,
 ) -> float:
     """Batch-by-batch engine for one replica; raises _NeedsExact on a drop or an expiry."""
     B, W, L, TO = s.max_batch_size, s.max_queue_delay, s.max_queue_length, s.request_timeout
@@ -305,7 +309,7 @@ def _fast_replica(
             fill = arr[i + B - 1]
             if fill < due:
                 due = fill
-        t = free if free > due else due
+        t = (free if free > due else due) + delay
         if i + L < n and arr[i + L] <= t:
             raise _NeedsExact  # L rows waited and one more arrived: a drop
         if a0 + TO <= t:
@@ -339,12 +343,18 @@ def simulate(
     request_overhead: float = 0.0,
     engine: Literal["auto", "exact"] = "auto",
     exec_scale: Sequence[float] | None = None,
+    dispatch_delay: float = 0.0,
 ) -> SimResult:
     """Run the lane over ``arrivals`` (sorted seconds) and return every measurement.
 
     ``exec_scale`` (optional) multiplies the k-th batch's execution time of each replica by
     ``exec_scale[k % len(exec_scale)]``: pre-drawn noise, for studying how a heavier tail of
     forward times than the profile's moves the prediction (bench/tune_validation.py does).
+
+    ``dispatch_delay`` (seconds) delays every dispatch past ``max(due, executor free)``: the
+    runtime's measured batch cut delay (``batchpilot_batch_cut_delay_seconds``; the event loop
+    and the model thread sharing few cores), carried in a profile as ``dispatchDelay``. Rows
+    arriving during the delay join the batch, as they do in the runtime.
     """
     _check_table(settings, exec_table)
     result = SimResult(requests=len(arrivals), replicas=replicas)
@@ -355,13 +365,19 @@ def simulate(
         if engine == "auto":
             scratch = SimResult(requests=len(part))
             try:
-                end = _fast_replica(part, settings, exec_table, request_overhead, scratch, exec_scale)
+                end = _fast_replica(
+                    part, settings, exec_table, request_overhead, scratch, exec_scale, delay=dispatch_delay
+                )
             except _NeedsExact:
                 scratch = SimResult(requests=len(part))
-                end = _exact_replica(part, settings, exec_table, request_overhead, scratch, exec_scale)
+                end = _exact_replica(
+                    part, settings, exec_table, request_overhead, scratch, exec_scale, delay=dispatch_delay
+                )
         else:
             scratch = SimResult(requests=len(part))
-            end = _exact_replica(part, settings, exec_table, request_overhead, scratch, exec_scale)
+            end = _exact_replica(
+                part, settings, exec_table, request_overhead, scratch, exec_scale, delay=dispatch_delay
+            )
         result.latencies += scratch.latencies
         result.queue_waits += scratch.queue_waits
         result.batch_sizes += scratch.batch_sizes
@@ -400,9 +416,12 @@ def simulate_exact(
     seed: int = 0,
     request_overhead: float = 0.0,
     exec_scale: Sequence[float] | None = None,
+    dispatch_delay: float = 0.0,
 ) -> SimResult:
     """The event-by-event engine only (the reference the fast engine is tested against)."""
-    return simulate(arrivals, settings, exec_table, replicas, split, seed, request_overhead, "exact", exec_scale)
+    return simulate(
+        arrivals, settings, exec_table, replicas, split, seed, request_overhead, "exact", exec_scale, dispatch_delay
+    )
 
 
 def _fast_misses(
@@ -412,6 +431,7 @@ def _fast_misses(
     targets: Targets,
     overhead: float,
     budget: int,
+    delay: float = 0.0,
 ) -> tuple[int, int] | None:
     """Misses of one replica (latency, queue age), stopping once either passes ``budget``.
 
@@ -434,7 +454,7 @@ def _fast_misses(
             fill = arr[i + B - 1]
             if fill < due:
                 due = fill
-        t = free if free > due else due
+        t = (free if free > due else due) + delay
         if (i + L < m and arr[i + L] <= t) or a0 + TO <= t:
             return None
         hi = i + B if i + B < m else m
@@ -456,10 +476,10 @@ def _fast_misses(
 
 
 def _exact_misses(
-    arr: Sequence[float], s: LaneSettings, ex: Sequence[float], targets: Targets, overhead: float
+    arr: Sequence[float], s: LaneSettings, ex: Sequence[float], targets: Targets, overhead: float, delay: float = 0.0
 ) -> tuple[int, int]:
     sub = SimResult(requests=len(arr))
-    _exact_replica(arr, s, ex, overhead, sub)
+    _exact_replica(arr, s, ex, overhead, sub, delay=delay)
     lat_miss = sum(1 for x in sub.latencies if x > targets.latency) + sub.failed
     age_miss = sum(1 for x in sub.queue_waits if x > targets.queue_age) + (len(arr) - len(sub.queue_waits))
     return lat_miss, age_miss
@@ -471,6 +491,7 @@ def meets_slo(
     exec_table: Sequence[float],
     targets: Targets,
     request_overhead: float = 0.0,
+    dispatch_delay: float = 0.0,
 ) -> bool:
     """Whether p99 latency and p99 queue age stay within ``targets`` (arrivals already split).
 
@@ -488,9 +509,9 @@ def meets_slo(
         if not arr:
             continue
         left = budget - max(lat_miss, age_miss)
-        got = _fast_misses(arr, settings, exec_table, targets, request_overhead, left)
+        got = _fast_misses(arr, settings, exec_table, targets, request_overhead, left, dispatch_delay)
         if got is None:
-            got = _exact_misses(arr, settings, exec_table, targets, request_overhead)
+            got = _exact_misses(arr, settings, exec_table, targets, request_overhead, dispatch_delay)
         lat_miss += got[0]
         age_miss += got[1]
         if lat_miss > budget or age_miss > budget:

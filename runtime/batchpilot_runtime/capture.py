@@ -1,0 +1,344 @@
+"""What the runtime records about its own traffic and hardware, for the tuner.
+
+* :class:`ArrivalRing`: the recent arrivals of one lane (arrival time and rows of each
+  *admitted* request) in a preallocated ring, bounded by count (``capacity``; the oldest entry
+  is overwritten) and by age (entries older than ``max_age`` seconds are never served). Memory
+  is fixed at start: 12 bytes per slot (a float64 time and an int32 row count), so the default
+  65,536 slots cost 768 KiB per lane. Recording is two array stores and an increment on the
+  event loop (no lock: only the loop writes, and snapshots run on the loop too).
+* :class:`LiveProfile`: forward time per batch size, from timed passes at warm-up and from
+  live batches (the last ``per_size`` samples of each size), rendered in the format
+  ``batchpilot profile`` writes (a ``LatencyProfile``), so the profile comes from the hardware
+  the pod really runs on.
+* :class:`CutDelay`: how late each batch was cut compared with the dispatch rule
+  (``max(due, model free)``, what the tuner's simulator assumes): the load-dependent delay
+  when the event loop and the model thread share few cores. Exported as the histogram
+  ``batchpilot_batch_cut_delay_seconds`` and summarised in the arrivals document.
+* :class:`Capture`: one per runtime process; serves ``GET /admin/arrivals`` and
+  ``GET /admin/profile`` on the metrics/admin side (next to ``/metrics``, not under ``/v2``).
+
+Times are ``time.perf_counter()`` on the hot path; a snapshot converts them to Unix seconds
+with one offset taken at snapshot time, so documents from several pods merge on wall time.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import statistics
+import threading
+import time
+from array import array
+from collections import deque
+from collections.abc import Sequence
+from datetime import UTC, datetime
+from typing import Any
+
+import numpy as np
+
+from batchpilot_runtime.config import LaneConfig, RuntimeConfig, format_duration
+
+DEFAULT_CAPACITY = 65_536
+DEFAULT_MAX_AGE = 3600.0
+PROFILE_SAMPLES_PER_SIZE = 256
+WARMUP_PASSES = 3
+"""Timed passes per warm batch size at start-up (after the untimed warm-up pass)."""
+CUT_DELAY_SAMPLES = 4096
+SLOT_BYTES = 12
+CAPTURE_API_VERSION = "batchpilot.dev/v1alpha1"
+ARRIVALS_KIND = "ArrivalCapture"
+
+
+class ArrivalRing:
+    """A fixed-size ring of (arrival time, rows), bounded by count and by age."""
+
+    __slots__ = ("capacity", "max_age", "rows", "times", "total")
+
+    def __init__(self, capacity: int = DEFAULT_CAPACITY, max_age: float = DEFAULT_MAX_AGE) -> None:
+        if capacity < 1:
+            raise ValueError(f"arrival ring capacity must be at least 1, got {capacity}")
+        if not max_age > 0:
+            raise ValueError(f"arrival ring max age must be positive, got {max_age}")
+        self.capacity = capacity
+        self.max_age = max_age
+        self.times = array("d", bytes(8 * capacity))
+        self.rows = array("i", bytes(4 * capacity))
+        self.total = 0  # arrivals recorded since start (the next slot is total % capacity)
+
+    def record(self, t: float, rows: int) -> None:
+        i = self.total % self.capacity
+        self.times[i] = t
+        self.rows[i] = rows
+        self.total += 1
+
+    @property
+    def nbytes(self) -> int:
+        return self.times.itemsize * len(self.times) + self.rows.itemsize * len(self.rows)
+
+    @property
+    def overwritten(self) -> int:
+        """Arrivals lost to the count bound since start."""
+        return max(0, self.total - self.capacity)
+
+    def snapshot(self, now: float, since: float | None = None) -> tuple[list[float], list[int]]:
+        """Held arrivals no older than ``max_age`` (and than ``since`` seconds), oldest first."""
+        times, rows = self.snapshot_arrays(now, since)
+        return times.tolist(), rows.tolist()
+
+    def snapshot_arrays(
+        self, now: float, since: float | None = None
+    ) -> tuple[np.ndarray[Any, Any], np.ndarray[Any, Any]]:
+        """:meth:`snapshot` as numpy arrays (float64 times, int32 rows)."""
+        n = min(self.total, self.capacity)
+        start = self.total - n
+        horizon = now - self.max_age
+        if since is not None:
+            horizon = max(horizon, now - since)
+        times, rows = self.arrays(start)
+        keep = times >= horizon
+        return times[keep], rows[keep]
+
+    def arrays(self, start: int) -> tuple[np.ndarray[Any, Any], np.ndarray[Any, Any]]:
+        """The slots from arrival ``start`` to the newest, oldest first (vectorised: a snapshot
+        of a full ring takes a few ms on the event loop, not a Python loop over 65,536 slots)."""
+        cap = self.capacity
+        n = self.total - start
+        times = np.frombuffer(self.times, dtype=np.float64)
+        rows = np.frombuffer(self.rows, dtype=np.int32)
+        first = start % cap
+        if n <= 0:
+            return times[:0].copy(), rows[:0].copy()
+        if first + n <= cap:
+            return times[first : first + n].copy(), rows[first : first + n].copy()
+        return np.concatenate((times[first:], times[: first + n - cap])), np.concatenate(
+            (rows[first:], rows[: first + n - cap])
+        )
+
+
+def _quantile(sorted_values: Sequence[float], q: float) -> float:
+    """Nearest-rank quantile of sorted values (the simulator's definition)."""
+    k = max(0, math.ceil(q * len(sorted_values) - 1e-9) - 1)
+    return sorted_values[k]
+
+
+class LiveProfile:
+    """Forward time per batch size from warm-up and live batches (bounded per size)."""
+
+    def __init__(self, per_size: int = PROFILE_SAMPLES_PER_SIZE) -> None:
+        self.per_size = per_size
+        self.warmup: dict[int, list[float]] = {}
+        self.live: dict[int, deque[float]] = {}
+        self.live_batches = 0
+        self._lock = threading.Lock()  # the model thread adds, the event loop reads
+
+    def add_warmup(self, rows: int, seconds: float) -> None:
+        with self._lock:
+            self.warmup.setdefault(rows, []).append(seconds)
+
+    def add_live(self, rows: int, seconds: float) -> None:
+        with self._lock:
+            d = self.live.get(rows)
+            if d is None:
+                d = self.live[rows] = deque(maxlen=self.per_size)
+            d.append(seconds)
+            self.live_batches += 1
+
+    def samples(self) -> tuple[dict[int, list[float]], dict[int, list[float]]]:
+        with self._lock:
+            return {k: list(v) for k, v in self.warmup.items()}, {k: list(v) for k, v in self.live.items()}
+
+    def points(self, min_live: int = 20) -> list[dict[str, Any]]:
+        """One point per batch size: live samples when there are ``min_live``, else warm-up and live."""
+        out: list[dict[str, Any]] = []
+        warm, live_all = self.samples()
+        for size in sorted(set(warm) | set(live_all)):
+            live = live_all.get(size, [])
+            xs = live if len(live) >= min_live else [*warm.get(size, ()), *live]
+            if not xs:
+                continue
+            xs.sort()
+            # The profile format holds microseconds; keep every value positive and ordered.
+            p50 = max(_quantile(xs, 0.5), 1e-6)
+            p90 = max(_quantile(xs, 0.9), p50)
+            p99 = max(_quantile(xs, 0.99), p90)
+            out.append(
+                {
+                    "batchSize": size,
+                    "p50": format_duration(p50),
+                    "p90": format_duration(p90),
+                    "p99": format_duration(p99),
+                    "mean": format_duration(max(statistics.fmean(xs), 1e-6)),
+                    "samples": len(xs),
+                    "source": "live" if len(live) >= min_live else ("warmup+live" if live else "warmup"),
+                }
+            )
+        return out
+
+
+class CutDelay:
+    """Recent cut delays of batches (seconds), for the summary; the histogram is in metrics."""
+
+    def __init__(self, keep: int = CUT_DELAY_SAMPLES) -> None:
+        self.samples: deque[float] = deque(maxlen=keep)
+        self.total = 0
+
+    def add(self, seconds: float) -> None:
+        self.samples.append(seconds)
+        self.total += 1
+
+    def summary(self) -> dict[str, Any]:
+        xs = sorted(list(self.samples))
+        if not xs:
+            return {"samples": 0}
+        return {
+            "samples": len(xs),
+            "p50": _quantile(xs, 0.5),
+            "p90": _quantile(xs, 0.9),
+            "p99": _quantile(xs, 0.99),
+            "mean": statistics.fmean(xs),
+        }
+
+
+def capture_bounds_from_env() -> tuple[int, float]:
+    """(capacity, max age) from ``BATCHPILOT_ARRIVAL_CAPACITY`` / ``BATCHPILOT_ARRIVAL_MAX_AGE``.
+
+    A capacity of 0 turns arrival capture off (for A/B benchmarks).
+    """
+    raw_cap = os.environ.get("BATCHPILOT_ARRIVAL_CAPACITY", str(DEFAULT_CAPACITY))
+    raw_age = os.environ.get("BATCHPILOT_ARRIVAL_MAX_AGE", str(DEFAULT_MAX_AGE))
+    try:
+        cap = int(raw_cap)
+        age = float(raw_age)
+    except ValueError as exc:
+        raise ValueError(
+            f"BATCHPILOT_ARRIVAL_CAPACITY must be an integer and BATCHPILOT_ARRIVAL_MAX_AGE a number of "
+            f"seconds, got {raw_cap!r} and {raw_age!r}"
+        ) from exc
+    if cap < 0 or not age > 0:
+        raise ValueError(f"arrival capture bounds must be capacity >= 0 and max age > 0, got {cap}, {age}")
+    return cap, age
+
+
+def _wall(t_perf: float, offset: float) -> float:
+    return t_perf + offset
+
+
+class Capture:
+    """Arrival rings of every lane, the live profile and the cut delays of one runtime process."""
+
+    def __init__(
+        self,
+        cfg: RuntimeConfig,
+        track: str,
+        capacity: int = DEFAULT_CAPACITY,
+        max_age: float = DEFAULT_MAX_AGE,
+        clock: Any = time.perf_counter,
+        wall: Any = time.time,
+    ) -> None:
+        self.cfg = cfg
+        self.track = track
+        self.enabled = capacity > 0
+        self.rings = [ArrivalRing(capacity, max_age) for _ in cfg.lanes] if self.enabled else []
+        self.capacity = capacity
+        self.max_age = max_age
+        self.profile = LiveProfile()
+        self.cut = [CutDelay() for _ in cfg.lanes]
+        self.started = wall()
+        self._clock = clock
+        self._wall = wall
+        self.model: dict[str, Any] = {"name": cfg.model.name, "source": cfg.model.source, "device": cfg.model.device}
+
+    def record(self, lane: int, t: float, rows: int) -> None:
+        """One admitted request (hot path: called on the event loop after admission)."""
+        if self.enabled:
+            self.rings[lane].record(t, rows)
+
+    @property
+    def nbytes(self) -> int:
+        return sum(r.nbytes for r in self.rings)
+
+    def arrivals_doc(self, since: float | None = None, pod: str | None = None) -> dict[str, Any]:
+        """The ``/admin/arrivals`` document: bounds, revision, lane settings and arrivals."""
+        now = self._clock()
+        offset = self._wall() - now
+        now_wall = _wall(now, offset)
+        span = self.max_age if since is None else min(since, self.max_age)
+        window_start = max(self.started, now_wall - span)
+        lanes: list[dict[str, Any]] = []
+        for i, lane in enumerate(self.cfg.lanes):
+            entry: dict[str, Any] = {
+                "name": lane.name,
+                "settings": _lane_settings(lane),
+                "batchCutDelay": self.cut[i].summary(),
+            }
+            if self.enabled:
+                ring = self.rings[i]
+                times, rows = ring.snapshot_arrays(now, since)
+                base = _wall(float(times[0]), offset) if len(times) else now_wall
+                full = ring.total > ring.capacity and len(times) == ring.capacity
+                entry |= {
+                    # With the ring full, arrivals before the oldest held one may be lost: the
+                    # lane's record covers only from that one on.
+                    "coveredFrom": base if full else window_start,
+                    "recorded": ring.total,
+                    "overwritten": ring.overwritten,
+                    "held": len(times),
+                    "base": base,
+                    # Offsets from base (seconds, microsecond resolution) keep the document small.
+                    "times": np.round(times + (offset - base), 6).tolist(),
+                    "rows": rows.tolist(),
+                }
+            lanes.append(entry)
+        return {
+            "apiVersion": CAPTURE_API_VERSION,
+            "kind": ARRIVALS_KIND,
+            "policy": self.cfg.policy,
+            "revision": self.cfg.revision,
+            "track": self.track,
+            "pod": pod,
+            "capturedAt": now_wall,
+            "runningSince": self.started,
+            "windowStart": window_start,
+            "enabled": self.enabled,
+            "bounds": {"capacity": self.capacity, "maxAge": self.max_age, "bytesPerLane": self.capacity * SLOT_BYTES},
+            "defaultLane": self.cfg.default_lane_name,
+            "lanes": lanes,
+        }
+
+    def profile_doc(self, device: str, threads: int | None) -> dict[str, Any]:
+        """The ``/admin/profile`` document, in the format ``batchpilot profile`` writes."""
+        points = self.profile.points()
+        model: dict[str, Any] = {
+            "name": self.cfg.model.name,
+            "source": self.cfg.model.source,
+            "device": device,
+            "dtype": self.cfg.model.dtype,
+        }
+        if threads is not None:
+            model["threads"] = threads
+        host = os.environ.get("HOSTNAME") or os.uname().nodename
+        if host:
+            model["host"] = host
+        sources = sorted({p.pop("source") for p in points})
+        delays = sorted(x for cut in self.cut for x in list(cut.samples))
+        dispatch_delay = _quantile(delays, 0.5) if delays else 0.0
+        return {
+            "apiVersion": CAPTURE_API_VERSION,
+            "kind": "LatencyProfile",
+            "model": model,
+            "quantile": "p90",
+            "requestOverhead": "0s",
+            # The median batch cut delay over all lanes: the simulator delays every dispatch by it.
+            "dispatchDelay": format_duration(dispatch_delay),
+            "points": points,
+            "measuredAt": datetime.now(UTC).strftime("%Y-%m-%dT%H:%M:%SZ"),
+            "note": (
+                f"measured by the runtime of revision {self.cfg.revision} ({self.track}): timed passes at "
+                f"warm-up and the last {self.profile.per_size} live batches per size "
+                f"({self.profile.live_batches} live batches so far; points from {', '.join(sources) or 'nothing'})"
+            ),
+        }
+
+
+def _lane_settings(lane: LaneConfig) -> dict[str, Any]:
+    return lane.model_dump(mode="json", by_alias=True, exclude={"name"})

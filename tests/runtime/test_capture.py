@@ -1,0 +1,302 @@
+"""Arrival capture, live profile and batch cut delay: the pure parts with an injected clock, then
+the admin endpoints of a real runtime process (real torch, real HTTP)."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import math
+import os
+from collections.abc import Iterator
+from typing import Any
+
+import aiohttp
+import pytest
+from bp_rt_harness import Server, body, infer, lane, wait_for
+
+from batchpilot_operator.tune.profile import LatencyProfile
+from batchpilot_runtime.batcher import Pending, cut_delay
+from batchpilot_runtime.capture import (
+    SLOT_BYTES,
+    ArrivalRing,
+    Capture,
+    LiveProfile,
+    capture_bounds_from_env,
+)
+from batchpilot_runtime.config import LaneConfig, RuntimeConfig
+
+# ----------------------------------------------------------------------------- the ring
+
+
+def test_ring_holds_everything_below_its_bounds() -> None:
+    ring = ArrivalRing(capacity=8, max_age=100.0)
+    for k in range(5):
+        ring.record(10.0 + k, k + 1)
+    times, rows = ring.snapshot(now=20.0)
+    assert times == [10.0, 11.0, 12.0, 13.0, 14.0]
+    assert rows == [1, 2, 3, 4, 5]
+    assert ring.overwritten == 0
+
+
+def test_ring_wraps_around_keeping_the_newest_in_order() -> None:
+    ring = ArrivalRing(capacity=4, max_age=100.0)
+    for k in range(11):  # wraps twice and a bit: slots hold arrivals 7..10
+        ring.record(float(k), 100 + k)
+    times, rows = ring.snapshot(now=11.0)
+    assert times == [7.0, 8.0, 9.0, 10.0]
+    assert rows == [107, 108, 109, 110]
+    assert ring.total == 11 and ring.overwritten == 7
+
+
+def test_ring_is_bounded_by_age_and_by_since() -> None:
+    ring = ArrivalRing(capacity=100, max_age=10.0)
+    for k in range(30):
+        ring.record(float(k), 1)
+    times, _ = ring.snapshot(now=30.0)
+    assert times == [float(k) for k in range(20, 30)]  # older than 10 s are never served
+    times, _ = ring.snapshot(now=30.0, since=3.0)
+    assert times == [27.0, 28.0, 29.0]
+    times, _ = ring.snapshot(now=30.0, since=1000.0)  # since cannot widen past max_age
+    assert times[0] == 20.0
+
+
+def test_ring_memory_is_fixed_at_start() -> None:
+    ring = ArrivalRing(capacity=1000, max_age=60.0)
+    before = ring.nbytes
+    for k in range(5000):
+        ring.record(float(k), 3)
+    assert ring.nbytes == before == 1000 * SLOT_BYTES
+
+
+def test_ring_rejects_bad_bounds() -> None:
+    with pytest.raises(ValueError, match="capacity"):
+        ArrivalRing(capacity=0)
+    with pytest.raises(ValueError, match="max age"):
+        ArrivalRing(capacity=4, max_age=0)
+
+
+def test_bounds_from_env(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("BATCHPILOT_ARRIVAL_CAPACITY", "10")
+    monkeypatch.setenv("BATCHPILOT_ARRIVAL_MAX_AGE", "30")
+    assert capture_bounds_from_env() == (10, 30.0)
+    monkeypatch.setenv("BATCHPILOT_ARRIVAL_CAPACITY", "lots")
+    with pytest.raises(ValueError, match="BATCHPILOT_ARRIVAL_CAPACITY"):
+        capture_bounds_from_env()
+
+
+# ----------------------------------------------------------------------------- the document
+
+CFG = RuntimeConfig.model_validate(
+    {
+        "policy": "shop",
+        "revision": "abc123",
+        "model": {"name": "m", "source": "builtin:tiny-mlp"},
+        "lanes": [
+            {"name": "interactive", "maxBatchSize": 8, "maxQueueDelay": "2ms", "maxQueueLength": 64,
+             "requestTimeout": "1s", "priority": 10},
+            {"name": "background", "maxBatchSize": 64, "maxQueueDelay": "20ms", "maxQueueLength": 512,
+             "requestTimeout": "10s"},
+        ],
+    }
+)  # fmt: skip
+
+
+class Clock:
+    def __init__(self, perf: float, wall: float) -> None:
+        self.perf, self.wall_at = perf, wall
+
+    def now(self) -> float:
+        return self.perf
+
+    def wall(self) -> float:
+        return self.wall_at
+
+
+def test_arrivals_doc_carries_revision_settings_and_wall_times() -> None:
+    clock = Clock(perf=500.0, wall=1_700_000_000.0)
+    cap = Capture(CFG, "canary", capacity=16, max_age=60.0, clock=clock.now, wall=clock.wall)
+    cap.record(0, 490.0, 1)
+    cap.record(0, 495.5, 3)
+    cap.record(1, 499.0, 2)
+    cap.cut[0].add(0.001)
+    doc = cap.arrivals_doc(pod="shop-stable-x")
+    assert (doc["kind"], doc["policy"], doc["revision"], doc["track"], doc["pod"]) == (
+        "ArrivalCapture", "shop", "abc123", "canary", "shop-stable-x"
+    )  # fmt: skip
+    assert doc["bounds"] == {"capacity": 16, "maxAge": 60.0, "bytesPerLane": 16 * SLOT_BYTES}
+    inter, back = doc["lanes"]
+    assert inter["name"] == "interactive"
+    assert inter["settings"] == {
+        "maxBatchSize": 8, "maxQueueDelay": "2ms", "maxQueueLength": 64, "requestTimeout": "1s", "priority": 10
+    }  # fmt: skip
+    # perf 490 is wall 1_700_000_000 - 10
+    assert inter["base"] == pytest.approx(1_700_000_000.0 - 10.0)
+    assert inter["times"] == [0.0, 5.5] and inter["rows"] == [1, 3]
+    assert back["times"] == [0.0] and back["rows"] == [2]
+    assert inter["batchCutDelay"]["samples"] == 1
+    assert back["batchCutDelay"] == {"samples": 0}
+    # The window starts when the process started (it has run less than maxAge).
+    assert doc["windowStart"] == pytest.approx(1_700_000_000.0)
+    json.dumps(doc)  # serialisable as is
+
+
+def test_arrivals_doc_marks_a_wrapped_ring_as_covering_only_what_it_holds() -> None:
+    clock = Clock(perf=0.0, wall=1000.0)
+    cap = Capture(CFG, "stable", capacity=4, max_age=3600.0, clock=clock.now, wall=clock.wall)
+    clock.perf, clock.wall_at = 100.0, 1100.0
+    for k in range(10):
+        cap.record(0, 90.0 + k, 1)
+    doc = cap.arrivals_doc()
+    inter = doc["lanes"][0]
+    assert inter["held"] == 4 and inter["overwritten"] == 6
+    assert inter["coveredFrom"] == pytest.approx(1096.0)  # the oldest held arrival, not the window start
+
+
+def test_capture_off_records_nothing() -> None:
+    cap = Capture(CFG, "stable", capacity=0)
+    cap.record(0, 1.0, 1)
+    doc = cap.arrivals_doc()
+    assert doc["enabled"] is False and "times" not in doc["lanes"][0]
+    assert cap.nbytes == 0
+
+
+def test_live_profile_prefers_live_samples_and_is_a_latency_profile() -> None:
+    prof = LiveProfile(per_size=50)
+    for _ in range(3):
+        prof.add_warmup(1, 0.010)
+        prof.add_warmup(4, 0.020)
+    for k in range(60):  # more than per_size: only the last 50 are kept
+        prof.add_live(1, 0.001 * (1 + k % 5))
+    points = {p["batchSize"]: p for p in prof.points(min_live=20)}
+    assert points[1]["source"] == "live" and points[1]["samples"] == 50
+    assert points[1]["p50"] == "3ms" and points[1]["p99"] == "5ms"
+    assert points[4]["source"] == "warmup" and points[4]["p50"] == "20ms"
+    cap = Capture(CFG, "stable", capacity=4)
+    cap.profile = prof
+    doc = cap.profile_doc("cpu", 1)
+    parsed = LatencyProfile.model_validate(doc)  # the format `batchpilot profile` writes
+    assert parsed.exec_time(1, "p50") == pytest.approx(0.003)
+    assert parsed.model.source == "builtin:tiny-mlp"
+
+
+# ----------------------------------------------------------------------------- cut delay
+
+LANE = LaneConfig.model_validate(
+    {"name": "x", "maxBatchSize": 4, "maxQueueDelay": "10ms", "maxQueueLength": 10, "requestTimeout": "1s"}
+)
+
+
+def pend(t: float, rows: int = 1) -> Pending:
+    import numpy as np
+
+    return Pending(np.zeros((rows, 2), dtype="float32"), 0, t)
+
+
+def test_cut_delay_of_a_window_batch_on_an_idle_model() -> None:
+    batch = [pend(1.000), pend(1.004)]
+    # due when the head's window (10 ms) expired: 1.010; cut at 1.0125 -> 2.5 ms late
+    assert cut_delay(LANE, batch, 2, 1.0125, free_at=-math.inf) == pytest.approx(0.0025)
+
+
+def test_cut_delay_of_a_full_batch_counts_from_the_filling_arrival() -> None:
+    batch = [pend(1.000), pend(1.001), pend(1.002), pend(1.003)]
+    assert cut_delay(LANE, batch, 4, 1.0035, free_at=0.5) == pytest.approx(0.0005)
+
+
+def test_cut_delay_counts_from_when_the_model_freed() -> None:
+    batch = [pend(1.000), pend(1.001)]
+    # window expired at 1.010, but the model ran until 1.050: cut at 1.051 -> 1 ms late
+    assert cut_delay(LANE, batch, 2, 1.051, free_at=1.050) == pytest.approx(0.001)
+    assert cut_delay(LANE, batch, 2, 1.049, free_at=1.050) == 0.0
+
+
+# ----------------------------------------------------------------------------- a real runtime
+
+LANES = [lane("interactive", 8, "1ms", 100, "5s", priority=10), lane("background", 32, "5ms", 200, "10s")]
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
+    os.environ["BATCHPILOT_ARRIVAL_CAPACITY"] = "50"  # small, so the test wraps the ring
+    try:
+        srv = Server(tmp_path_factory.mktemp("rt-capture"), LANES, extra={"revision": "rev-cap"})
+    finally:
+        del os.environ["BATCHPILOT_ARRIVAL_CAPACITY"]
+    try:
+        yield srv
+    finally:
+        srv.stop()
+
+
+def get_json(srv: Server, path: str) -> tuple[int, Any]:
+    status, raw = srv.get(path)
+    return status, json.loads(raw)
+
+
+async def send(srv: Server, specs: list[tuple[str, int]]) -> None:
+    async with aiohttp.ClientSession() as session:
+        for lane_name, rows in specs:
+            status, doc = await infer(session, srv, body([1.0] * rows), lane_header=lane_name)
+            assert status == 200, doc
+
+
+def test_arrivals_endpoint_serves_what_was_admitted(server: Server) -> None:
+    specs = [("interactive", 1), ("interactive", 3), ("background", 2), ("interactive", 2)]
+    asyncio.run(send(server, specs))
+    status, doc = get_json(server, "/admin/arrivals")
+    assert status == 200
+    assert doc["revision"] == "rev-cap" and doc["policy"] == "test" and doc["track"] == "canary"
+    assert doc["bounds"]["capacity"] == 50
+    lanes = {entry["name"]: entry for entry in doc["lanes"]}
+    assert lanes["interactive"]["settings"]["maxBatchSize"] == 8
+    assert lanes["background"]["settings"]["maxQueueDelay"] == "5ms"
+    inter_rows = lanes["interactive"]["rows"][-3:]
+    assert inter_rows == [1, 3, 2]
+    assert lanes["background"]["rows"][-1] == 2
+    times = lanes["interactive"]["times"]
+    assert times == sorted(times)
+    # Wall-clock times: the last arrival happened within the last minute.
+    assert abs(lanes["interactive"]["base"] + times[-1] - doc["capturedAt"]) < 60
+    # A lane filter and a since filter.
+    status, only = get_json(server, "/admin/arrivals?lane=background&since=1h")
+    assert status == 200 and [e["name"] for e in only["lanes"]] == ["background"]
+    status, err = get_json(server, "/admin/arrivals?lane=nope")
+    assert status == 404 and "unknown lane" in err["error"]
+    status, err = get_json(server, "/admin/arrivals?since=soon")
+    assert status == 400 and "since" in err["error"]
+
+
+def test_arrivals_ring_wraps_in_a_real_runtime(server: Server) -> None:
+    _, before = get_json(server, "/admin/arrivals?lane=interactive")
+    recorded = before["lanes"][0]["recorded"]
+    asyncio.run(send(server, [("interactive", 1 + k % 4) for k in range(60)]))
+    _, doc = get_json(server, "/admin/arrivals?lane=interactive")
+    entry = doc["lanes"][0]
+    assert entry["recorded"] == recorded + 60
+    assert entry["held"] == 50 and entry["overwritten"] == recorded + 60 - 50
+    assert entry["rows"] == [1 + k % 4 for k in range(10, 60)]  # the newest 50, in order
+
+
+def test_profile_endpoint_serves_a_latency_profile_from_warmup_and_live(server: Server) -> None:
+    status, doc = get_json(server, "/admin/profile")
+    assert status == 200
+    profile = LatencyProfile.model_validate(doc)
+    assert profile.model.source == "python:bp_rt_models:testmodel"
+    assert profile.model.device == "cpu" and profile.model.threads == 1
+    # warm-up timed every warm size (1..16, 32 for the lanes' maxima 8 and 32)
+    assert {1, 8, 16, 32} <= set(profile.batch_sizes)
+    assert all(p.samples is not None and p.samples >= 3 for p in profile.points)
+    status, raw = server.get("/admin/profile?format=yaml")
+    assert status == 200 and raw.startswith(b"apiVersion: batchpilot.dev/v1alpha1")
+
+
+def test_cut_delay_is_exported(server: Server) -> None:
+    asyncio.run(send(server, [("interactive", 1)] * 5))
+    count = wait_for(
+        lambda: server.metric("batchpilot_batch_cut_delay_seconds_count", lane="interactive", revision="rev-cap"),
+        what="cut delay samples",
+    )
+    assert count >= 5
+    _, doc = get_json(server, "/admin/arrivals?lane=interactive")
+    summary = doc["lanes"][0]["batchCutDelay"]
+    assert summary["samples"] >= 5 and 0 <= summary["p50"] <= summary["p99"] < 1.0
