@@ -36,7 +36,8 @@ from typing import Any, cast
 import yaml
 from rich.console import Console
 
-from batchpilot_operator.oncall import recommend, render
+from batchpilot_operator import kubectl_recommend as recommend
+from batchpilot_operator.oncall import render
 from batchpilot_operator.planner import (
     ABORT_ANNOTATION,
     PAUSE_ANNOTATION,
