@@ -81,24 +81,7 @@ class Demo:
         self.prom.start()
         self.say(f"Prometheus up at {self.prom.url}")
         self.harness = RuntimeHarness(self.cluster.kubeconfig, NAMESPACE, self.workdir / "runtime", self.prom).start()
-        log = (self.workdir / "operator.log").open("wb")
-        self.operator = subprocess.Popen(
-            [
-                sys.executable,
-                "-m",
-                "batchpilot_operator.cli",
-                "run",
-                f"--kubeconfig={self.cluster.kubeconfig}",
-                f"--namespace={NAMESPACE}",
-                f"--prometheus-url={self.prom.url}",
-                f"--metrics-port={free_port()}",
-                "--health-port=0",
-                "--resync=1",
-            ],
-            stdout=log,
-            stderr=subprocess.STDOUT,
-            env={**os.environ, "PYTHONUNBUFFERED": "1"},
-        )
+        self.operator = start_operator(self.cluster.kubeconfig, self.prom.url, self.workdir / "operator.log", NAMESPACE)
         self.say(f"operator running (log: {self.workdir / 'operator.log'})")
 
     def _stop(self) -> None:
@@ -215,6 +198,31 @@ class Demo:
             env={**os.environ, "COLUMNS": "140"},
         )
         return result.stdout + result.stderr
+
+
+def start_operator(
+    kubeconfig: Path, prometheus_url: str, log_path: Path, namespace: str | None = None
+) -> subprocess.Popen[bytes]:
+    """`batchpilot run` as a subprocess against a local cluster (all namespaces when none is given)."""
+    with log_path.open("wb") as log:
+        return subprocess.Popen(
+            [
+                sys.executable,
+                "-m",
+                "batchpilot_operator.cli",
+                "run",
+                f"--kubeconfig={kubeconfig}",
+                *([f"--namespace={namespace}"] if namespace else []),
+                f"--prometheus-url={prometheus_url}",
+                f"--metrics-port={free_port()}",
+                "--health-port=0",
+                "--resync=1",
+            ],
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            stdin=subprocess.DEVNULL,
+            env={**os.environ, "PYTHONUNBUFFERED": "1"},
+        )
 
 
 def revision_of(path: Path) -> str:
