@@ -1,5 +1,5 @@
 # The commands of the README. They do their own set-up (hack/setup.sh), idempotently.
-.PHONY: demo test setup up down
+.PHONY: demo test setup up down images
 demo: setup
 	.venv/bin/batchpilot demo
 test:
@@ -8,5 +8,7 @@ up: setup
 	.venv/bin/batchpilot up
 down:
 	.venv/bin/batchpilot down
+images:
+	bash hack/images.sh
 setup:
 	bash hack/setup.sh
