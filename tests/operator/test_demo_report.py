@@ -7,6 +7,7 @@ batching story (throughput and mean batch size per revision) sits next to the p9
 from __future__ import annotations
 
 import itertools
+from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
@@ -52,12 +53,13 @@ def test_stack_labels_packs_rows_greedily() -> None:
     assert stack_labels([], gap=0.0) == []
 
 
-@pytest.mark.parametrize("crowd", [1, 3, 9])
-def test_event_labels_do_not_overlap(crowd: int, tmp_path: Path) -> None:
-    # A canary, its steps, a promotion and a rollback within seconds of each other, `crowd` times.
+@pytest.mark.parametrize(("crowd", "at"), [(1, 40.0), (3, 40.0), (9, 40.0), (2, 0.0), (2, 196.0)])
+def test_event_labels_do_not_overlap(crowd: int, at: float, tmp_path: Path) -> None:
+    # A canary, its steps, a promotion and a rollback within seconds of each other, `crowd` times,
+    # in the middle of the run or at either edge of it.
     kinds = ["CanaryStarted", "StepAdvanced", "StepAdvanced", "Promoted", "CanaryStarted", "RolledBack"]
     events = [
-        (40 + i * 1.5 + j * 0.3, kind, f"rev{j}{i:02d}abcd") for j in range(crowd) for i, kind in enumerate(kinds)
+        (at + i * 0.6 + j * 0.3, kind, f"rev{j}{i:02d}abcd") for j in range(crowd) for i, kind in enumerate(kinds)
     ]
     fig, labels = draw_report(report(sorted(events)))
     assert len(labels) == len(events)
@@ -70,6 +72,25 @@ def test_event_labels_do_not_overlap(crowd: int, tmp_path: Path) -> None:
     assert all(figure_box.x0 <= b.x0 and b.x1 <= figure_box.x1 for b in boxes), "labels stay inside the figure"
     panels = [ax.get_ylabel() for ax in fig.axes if ax.get_ylabel()]
     assert panels == ["p99 latency (ms)", "p99 queue age (ms)", "throughput (req/s)", "mean batch size (rows)"]
+
+
+def test_events_come_from_the_ledger_and_from_what_it_no_longer_holds() -> None:
+    from batchpilot_operator.localdev.demo import rollout_events
+
+    ledger = [
+        {"time": "2027-01-15T08:00:30Z", "kind": "RolledBack", "revision": "37126e2fc4"},
+        {"time": "2027-01-15T08:00:31Z", "kind": "Analysis", "revision": "37126e2fc4"},
+    ]
+    k8s = [
+        {"reason": "CanaryStarted", "lastTimestamp": "2027-01-15T08:00:05Z",
+         "message": "canary 37126e2fc4 started at step 1/2: weight 25% (effective 25%: 1 canary + 3 stable)"},
+        {"reason": "RolledBack", "lastTimestamp": "2027-01-15T08:00:31Z",
+         "message": "canary 37126e2fc4 rolled back (AnalysisFailed): ...; stable 9b944bf289 serves"},
+        {"reason": "AnalysisFailed", "lastTimestamp": "2027-01-15T08:00:20Z", "message": "canary 37126e2fc4 failed 1/2"},
+    ]  # fmt: skip
+    start = datetime(2027, 1, 15, 8, 0, 0, tzinfo=UTC).timestamp()
+    expected = [(5.0, "CanaryStarted", "37126e2fc4"), (30.0, "RolledBack", "37126e2fc4")]
+    assert rollout_events(ledger, k8s, start) == expected
 
 
 def test_summary_per_revision_tells_the_batching_story() -> None:
@@ -163,7 +184,7 @@ def test_report_queries_on_a_real_runtime_and_prometheus(tmp_path: Path, prometh
             timeout=30,
         )
         when = datetime.fromtimestamp(started + 1, UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
-        demo = SimpleNamespace(prom=prom, started=started)
+        demo = SimpleNamespace(prom=prom, started=started, cluster=None)
         data = collect_report(demo, {"ledger": [{"kind": "CanaryStarted", "time": when, "revision": "aaa"}]})  # type: ignore[arg-type]
     finally:
         proc.terminate()

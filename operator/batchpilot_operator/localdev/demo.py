@@ -16,6 +16,7 @@ import contextlib
 import json
 import math
 import os
+import re
 import shutil
 import signal
 import subprocess
@@ -287,7 +288,35 @@ EVENT_STYLE = {
     "StepAdvanced": ("grey", "step"),
     "Promoted": ("green", "promoted"),
     "RolledBack": ("red", "rolled back"),
+    "Aborted": ("red", "aborted"),
 }
+_REVISION = re.compile(r"\b([0-9a-f]{10})\b")
+
+
+def _epoch(text: str) -> float:
+    return datetime.fromisoformat(text.replace("Z", "+00:00")).timestamp()
+
+
+def rollout_events(
+    ledger: list[dict[str, Any]], k8s_events: list[dict[str, Any]], start: float
+) -> list[tuple[float, str, str]]:
+    """The rollout's events, (seconds since start, kind, revision) in time order.
+
+    The ledger is bounded (its oldest entries give way to analyses on a long run), so the
+    policy's Kubernetes Events (the operator posts one per decision, the message naming the
+    revision first) fill in what it no longer holds; an event both have counts once.
+    """
+    events = [(_epoch(e["time"]) - start, e["kind"], e["revision"]) for e in ledger if e.get("kind") in EVENT_STYLE]
+    for item in k8s_events:
+        kind = item.get("reason")
+        when = item.get("lastTimestamp") or item.get("eventTime") or item.get("firstTimestamp")
+        found = _REVISION.search(item.get("message") or "")
+        if kind not in EVENT_STYLE or not when or found is None:
+            continue
+        t = _epoch(when) - start
+        if not any(k == kind and r == found.group(1) and abs(t - u) <= 3 for u, k, r in events):
+            events.append((t, kind, found.group(1)))
+    return sorted(events)
 
 
 def _demo_slo() -> tuple[float, float]:
@@ -321,13 +350,17 @@ def collect_report(demo: Demo, final_status: dict[str, Any]) -> ReportData:
             (QUEUE_AGE, "batchpilot_queue_age_seconds"),
         )
     }
-    events = []
-    for entry in final_status.get("ledger", []):
-        if entry.get("kind") in EVENT_STYLE:
-            t = datetime.fromisoformat(entry["time"].replace("Z", "+00:00")).timestamp() - start
-            events.append((t, entry["kind"], entry["revision"]))
+    k8s_events: list[dict[str, Any]] = []
+    if demo.cluster is not None:
+        out = demo.kubectl(
+            "get", "events", "-n", NAMESPACE, "--field-selector", f"involvedObject.name={POLICY}", "-o", "json",
+            check=False,
+        )  # fmt: skip
+        with contextlib.suppress(ValueError):
+            k8s_events = json.loads(out).get("items", []) if out else []
+    events = rollout_events(final_status.get("ledger", []), k8s_events, start)
     p99, queue_age = _demo_slo()
-    data = ReportData(start, end, panels, {LATENCY: p99, QUEUE_AGE: queue_age}, sorted(events))
+    data = ReportData(start, end, panels, {LATENCY: p99, QUEUE_AGE: queue_age}, events)
     data.summary = summarize(data, run_p99)
     return data
 
@@ -409,12 +442,18 @@ def draw_report(data: ReportData) -> tuple[Any, list[Any]]:
     prop = FontProperties(size=LABEL_FONT_PT)
     measure = TextToPath()
     axis_pt = FIG_WIDTH_IN * (RIGHT - LEFT) * 72
-    spans = []
+    spans, centers = [], []
     for (t, _, _), text in zip(data.events, labels, strict=True):
         width_pt = measure.get_text_width_height_descent(text, prop, ismath=False)[0]
-        width_s = (width_pt + 4) * duration / axis_pt  # 2pt padding each side
-        spans.append((t - width_s / 2, t + width_s / 2))
-    rows = stack_labels(spans, gap=0.0)
+        half = (width_pt + 4) * duration / axis_pt / 2  # 2pt padding each side
+        center = min(max(t, half), duration - half)  # near an edge the label moves inward, not out
+        centers.append(center)
+        spans.append((center - half, center + half))
+    order = sorted(range(len(spans)), key=lambda i: spans[i][0])
+    packed = stack_labels([spans[i] for i in order], gap=0.0)
+    rows = [0] * len(spans)
+    for i, row in zip(order, packed, strict=True):
+        rows[i] = row
     n_rows = max(rows, default=0) + 1
     strip_in = ROW_IN * n_rows + 0.12
     panel_in = [2.4, 1.8, 1.8, 1.8]
@@ -461,11 +500,11 @@ def draw_report(data: ReportData) -> tuple[Any, list[Any]]:
         ax.tick_params(labelbottom=False)
     axes[-1].set_xlabel("seconds since the demo started")
     artists = []
-    for (t, kind, _), text, row in zip(data.events, labels, rows, strict=True):
+    for (t, kind, _), text, row, center in zip(data.events, labels, rows, centers, strict=True):
         color = EVENT_STYLE[kind][0]
         strip.plot([t, t], [row, n_rows - 0.5], color=color, lw=0.6, alpha=0.5)
         artists.append(
-            strip.text(t, row, text, ha="center", va="center", fontsize=LABEL_FONT_PT, color=color,
+            strip.text(center, row, text, ha="center", va="center", fontsize=LABEL_FONT_PT, color=color,
                        bbox={"boxstyle": "square,pad=0.1", "fc": "white", "ec": "none"})
         )  # fmt: skip
     fig.suptitle(
