@@ -20,7 +20,7 @@ from typing import Any
 
 import pytest
 
-from batchpilot_operator.localdev.stack import processes_using, read_json
+from batchpilot_operator.localdev.stack import pid_alive, processes_using, read_json
 from bptest import REPO
 
 pytestmark = pytest.mark.slow
@@ -119,3 +119,24 @@ def test_up_apply_examples_healthy_crash_reported_down(workdir: Path) -> None:
         pass
     assert read_json(workdir / "state.json")["phase"] == "down"
     assert "no local stack is up" in batchpilot("down", f"--workdir={workdir}").stdout
+
+
+def test_a_killed_supervisor_is_reported_and_its_parts_cleaned_up(workdir: Path) -> None:
+    first = batchpilot("up", f"--workdir={workdir}", "--rate=0")
+    assert first.returncode == 0, first.stdout + first.stderr
+    state = read_json(workdir / "state.json")
+    assert state is not None
+    old_parts = {p["pid"] for p in state["parts"]}
+    os.kill(state["pid"], signal.SIGKILL)  # the supervisor dies; its parts are orphaned, still running
+    wait_for(lambda: not pid_alive(state["pid"]), 10, "the supervisor to die")
+    assert any(pid in old_parts for pid, _ in processes_using(workdir))
+
+    again = batchpilot("up", f"--workdir={workdir}", "--rate=0")
+    assert again.returncode == 0, again.stdout + again.stderr
+    assert f"CRASHED: the previous stack's supervisor (pid {state['pid']}) is gone" in again.stdout
+    assert "processes left over from an earlier stack" in again.stdout
+    assert not old_parts & {pid for pid, _ in processes_using(workdir)}, "the orphans were stopped"
+    assert read_json(workdir / "state.json")["pid"] != state["pid"]
+
+    assert batchpilot("down", f"--workdir={workdir}", timeout=180).returncode == 0
+    assert processes_using(workdir) == []

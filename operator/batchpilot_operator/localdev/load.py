@@ -67,6 +67,11 @@ class TraceReplay:
         self._thread.start()
         return self
 
+    @property
+    def running(self) -> bool:
+        """The replay thread is alive (started and neither stopped nor crashed)."""
+        return self._thread is not None and self._thread.is_alive()
+
     def stop(self) -> None:
         self._stop.set()
         if self._thread:

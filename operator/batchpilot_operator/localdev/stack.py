@@ -295,7 +295,7 @@ class Supervisor:
         self.apply_load()
         load = {}
         for policy, replay in self.replays.items():
-            alive = replay._thread is not None and replay._thread.is_alive()
+            alive = replay.running
             if not alive and f"load/{policy}" not in self.problems:
                 self.problems[f"load/{policy}"] = {"part": f"load/{policy}", "at": _now(), "log": self.state["log"]}
             load[policy] = {
@@ -394,7 +394,13 @@ def up(
         return report(state, say)
     if not trace.exists():
         raise StackError(f"arrival trace {trace} not found (--trace)")
-    leftovers = recorded_processes(workdir, _state(workdir))
+    previous = _state(workdir)
+    if previous is not None and previous.get("phase") in ("starting", "up", "stopping"):
+        say(
+            f"CRASHED: the previous stack's supervisor (pid {previous.get('pid')}) is gone without stopping it "
+            f"(log: {workdir / SUPERVISOR_LOG}); starting a new one"
+        )
+    leftovers = recorded_processes(workdir, previous)
     if leftovers:
         say(f"stopping {len(leftovers)} processes left over from an earlier stack in {workdir}")
         _terminate(leftovers)
