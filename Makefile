@@ -1,8 +1,14 @@
-# The two commands of the README. Both do their own set-up (hack/setup.sh), idempotently.
-.PHONY: demo test setup
+# The commands of the README. They do their own set-up (hack/setup.sh), idempotently.
+.PHONY: demo test setup up down images
 demo: setup
 	.venv/bin/batchpilot demo
 test:
 	bash hack/test.sh
+up: setup
+	.venv/bin/batchpilot up
+down:
+	.venv/bin/batchpilot down
+images:
+	bash hack/images.sh
 setup:
 	bash hack/setup.sh

@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # One-time (and idempotent) set-up for the demo and the tests on a Debian machine:
 #   apt packages (Prometheus + promtool, Lua 5.1, openssl, Go when missing), a virtualenv in .venv with torch
-#   and batchpilot (editable, all extras), and the local control plane built from Go modules.
+#   and batchpilot (editable, all extras; versions from hack/requirements*.lock), and the local
+#   control plane built from Go modules.
 # Re-running it reuses what is there: each step is skipped when its inputs did not change.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -24,22 +25,37 @@ if ((${#need[@]})); then
 fi
 
 # --- python ---------------------------------------------------------------------------
+# Versions come from the lock files (hack/lock.sh writes them from pyproject.toml), installed
+# in hash-checking mode by uv (from PyPI, pinned in the lock too): the same packages every time.
 PY=${PYTHON:-python3}
 if [[ ! -x .venv/bin/python ]]; then
   say "creating .venv"
   "$PY" -m venv .venv
 fi
+uv_version=$(sed -n 's/^uv==\([^ ;]*\).*/\1/p' hack/requirements.lock)
+if [[ "$(.venv/bin/uv --version 2>/dev/null | cut -d' ' -f2)" != "$uv_version" ]]; then
+  say "installing uv $uv_version (the installer of the locked dependencies)"
+  .venv/bin/pip install -q "uv==$uv_version"
+fi
+uv_install() { .venv/bin/uv pip install --python .venv/bin/python --quiet "$@"; }
 if ! .venv/bin/python -c "import torch" 2>/dev/null; then
   # Prefer a CPU-only torch wheel lying on the machine (PyPI's Linux torch is a multi-GB
-  # CUDA build); otherwise install PyPI's.
+  # CUDA build); otherwise install PyPI's, as locked.
   wheel=${BATCHPILOT_TORCH_WHEEL:-$(ls /opt/wheels/torch-*cpu*.whl 2>/dev/null | head -n1 || true)}
-  say "installing torch ${wheel:-from PyPI (large download, once)}"
-  .venv/bin/pip install -q ${wheel:-torch}
+  if [[ -n "$wheel" ]]; then
+    say "installing torch from $wheel (its dependencies at the versions of hack/requirements-torch.lock)"
+    sed -e 's/ \\$//' -e '/--hash=/d' -e '/^torch==/d' hack/requirements-torch.lock > .venv/torch-constraints.txt
+    uv_install "$wheel" -c .venv/torch-constraints.txt
+  else
+    say "installing torch from PyPI as locked in hack/requirements-torch.lock (large download, once)"
+    uv_install --require-hashes -r hack/requirements-torch.lock
+  fi
 fi
-stamp=$(cat pyproject.toml | sha256sum | cut -c1-16)
+stamp=$(cat pyproject.toml hack/requirements.lock | sha256sum | cut -c1-16)
 if [[ "$(cat .venv/.batchpilot-stamp 2>/dev/null)" != "$stamp" ]]; then
-  say "installing batchpilot and its dependencies into .venv"
-  .venv/bin/pip install -q -e ".[operator,runtime,demo,dev]"
+  say "installing the locked dependencies (hack/requirements.lock) and batchpilot (editable) into .venv"
+  uv_install --require-hashes -r hack/requirements.lock
+  uv_install --no-deps -e .
   echo "$stamp" > .venv/.batchpilot-stamp
 fi
 

@@ -245,3 +245,28 @@ class Plugin:
     def json(self, *args: str) -> dict[str, Any]:
         data: dict[str, Any] = json.loads(self.run(*args, "-o", "json").stdout)
         return data
+
+
+def lua_literal(value: Any) -> str:
+    """A Python JSON value as a Lua 5.1 table constructor (JSON null becomes an absent key)."""
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if isinstance(value, int | float):
+        return repr(value)
+    if isinstance(value, str):
+        out = []
+        for byte in value.encode():
+            ch = chr(byte)
+            if ch in '\\"':
+                out.append("\\" + ch)
+            elif 32 <= byte < 127:
+                out.append(ch)
+            else:
+                out.append(f"\\{byte:03d}")
+        return '"' + "".join(out) + '"'
+    if isinstance(value, list):
+        return "{" + ", ".join(lua_literal(v) for v in value if v is not None) + "}"
+    if isinstance(value, dict):
+        items = [f"[{lua_literal(str(k))}] = {lua_literal(v)}" for k, v in value.items() if v is not None]
+        return "{" + ", ".join(items) + "}"
+    raise TypeError(f"not JSON: {value!r}")

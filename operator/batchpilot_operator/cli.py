@@ -13,7 +13,7 @@ import sys
 from collections.abc import Sequence
 
 # Sub-command modules, in the order `--help` lists them.
-COMMANDS = ("run", "demo", "validate", "profile", "tune")
+COMMANDS = ("run", "demo", "up", "validate", "profile", "tune")
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -2,8 +2,11 @@
 
 Installed as the console script ``kubectl-batchpilot``, so ``kubectl batchpilot ...`` finds it::
 
+    kubectl batchpilot list [-A]        every policy: phase, stable, canary, weight/step, last
+                                        analysis, age (-A: all namespaces)
     kubectl batchpilot status NAME      the rollout at a glance: revisions, step, weight, per-lane
                                         p99 and queue age against the SLO, last decisions, why
+                                        (-w: redraw on every change until Ctrl-C)
     kubectl batchpilot history NAME     revisions with outcome and evidence, rollout decisions
     kubectl batchpilot promote NAME     promote the canary now (skip the remaining steps)
     kubectl batchpilot abort NAME       roll the canary back now
@@ -37,6 +40,7 @@ import yaml
 from rich.console import Console
 
 from batchpilot_operator import kubectl_recommend as recommend
+from batchpilot_operator import kubectl_views
 from batchpilot_operator.oncall import render
 from batchpilot_operator.planner import (
     ABORT_ANNOTATION,
@@ -217,10 +221,14 @@ def build_parser() -> argparse.ArgumentParser:
         epilog="\n\n".join(__doc__.split("\n\n")[1:]) if __doc__ else None,
     )
     sub = parser.add_subparsers(dest="command", required=True)
+    p = sub.add_parser("list", parents=[common], help="every policy with phase, revisions, weight/step, last analysis")
+    p.add_argument("-A", "--all-namespaces", action="store_true", help="list policies in every namespace")
+    p.set_defaults(func=kubectl_views.cmd_list)
     p = sub.add_parser("status", parents=[common], help="the rollout at a glance")
     p.add_argument("name")
     p.add_argument("--decisions", type=int, default=8, help="ledger decisions to show (default 8)")
-    p.set_defaults(func=cmd_status)
+    p.add_argument("-w", "--watch", action="store_true", help="redraw on every change until Ctrl-C")
+    p.set_defaults(func=kubectl_views.cmd_status)
     p = sub.add_parser("history", parents=[common], help="revisions with outcome and evidence")
     p.add_argument("name")
     p.set_defaults(func=cmd_history)

@@ -11,9 +11,9 @@ from __future__ import annotations
 import hashlib
 import itertools
 import json
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, ValidationInfo, model_validator
 
 from batchpilot_runtime.config import (
     LANE_NAME_PATTERN,
@@ -36,29 +36,55 @@ class _Spec(BaseModel):
     model_config = ConfigDict(extra="forbid", populate_by_name=True, frozen=True)
 
 
+_FROM_MANIFEST = "batchpilot.from_manifest"
+"""Validation-context key set by :func:`parse_spec`: the input is a manifest, typed as the CRD."""
+
+
+def _duration_string(value: object, info: ValidationInfo) -> object:
+    # The CRD types every duration `string`; Python callers may still pass float seconds.
+    if info.context and info.context.get(_FROM_MANIFEST) and not isinstance(value, str):
+        raise ValueError(f"must be a duration string such as '5ms' or '1m30s' (the CRD's type: string), got {value!r}")
+    return value
+
+
+SpecDuration = Annotated[Duration, BeforeValidator(_duration_string)]
+"""A duration field of the spec: a string in manifests (as admission demands), float seconds inside."""
+
+
+def _whole_number(value: object) -> object:
+    # JSON has one number type: kubectl and Argo CD send `8.0` as 8 and the apiserver admits it
+    # as an integer, so the twin does too; 8.5, "8" and true stay rejected, as there.
+    if isinstance(value, float) and value.is_integer():
+        return int(value)
+    return value
+
+
+SpecInt = Annotated[int, BeforeValidator(_whole_number)]
+"""An integer field of the spec (the CRD's `type: integer`)."""
+
+
 DEFAULT_MAX_ERROR_RATE = 0.01
 
 
 class SLO(_Spec):
-    p99_latency: Duration = Field(alias="p99Latency", gt=0)
-    max_queue_age: Duration = Field(alias="maxQueueAge", gt=0)
+    p99_latency: SpecDuration = Field(alias="p99Latency", gt=0)
+    max_queue_age: SpecDuration = Field(alias="maxQueueAge", gt=0)
     max_error_rate: float = Field(
         default=DEFAULT_MAX_ERROR_RATE,
         alias="maxErrorRate",
         ge=0,
         le=1,
-        strict=True,  # a number, as the CRD's `type: number`: "0.05" (a string) is rejected by both
         description="largest fraction of well-formed requests answered 429/503/504/500 over an analysis",
     )
 
 
 class LaneSpec(_Spec):
     name: str = Field(pattern=LANE_NAME_PATTERN)
-    max_batch_size: int = Field(alias="maxBatchSize", ge=1, le=4096)
-    max_queue_delay: Duration = Field(alias="maxQueueDelay")
-    max_queue_length: int = Field(alias="maxQueueLength", ge=1, le=1_000_000)
-    request_timeout: Duration = Field(alias="requestTimeout")
-    priority: int = Field(default=0, ge=0, le=100)
+    max_batch_size: SpecInt = Field(alias="maxBatchSize", ge=1, le=4096)
+    max_queue_delay: SpecDuration = Field(alias="maxQueueDelay")
+    max_queue_length: SpecInt = Field(alias="maxQueueLength", ge=1, le=1_000_000)
+    request_timeout: SpecDuration = Field(alias="requestTimeout")
+    priority: SpecInt = Field(default=0, ge=0, le=100)
     slo: SLO | None = None
     expected_rate: float | None = Field(
         default=None,
@@ -98,11 +124,11 @@ class ModelSpec(_Spec):
     source: str = Field(pattern=MODEL_SOURCE_PATTERN)
     device: Literal["auto", "cpu", "cuda"] = "cuda"
     dtype: Literal["float32", "float16", "bfloat16"] = "float16"
-    threads: int | None = Field(default=None, ge=1, le=256)
+    threads: SpecInt | None = Field(default=None, ge=1, le=256)
 
 
 class Resources(_Spec):
-    gpus: int = Field(default=1, ge=0, le=16)
+    gpus: SpecInt = Field(default=1, ge=0, le=16)
     cpu: str | None = Field(default=None, pattern=r"^([0-9]+m|[0-9]+(\.[0-9]+)?)$")
     memory: str | None = Field(default=None, pattern=r"^[0-9]+(\.[0-9]+)?(Ki|Mi|Gi|Ti|k|M|G|T)?$")
 
@@ -112,17 +138,17 @@ class Toleration(_Spec):
     operator: Literal["Exists", "Equal"] | None = None
     value: str | None = None
     effect: Literal["NoSchedule", "PreferNoSchedule", "NoExecute"] | None = None
-    toleration_seconds: int | None = Field(default=None, alias="tolerationSeconds")
+    toleration_seconds: SpecInt | None = Field(default=None, alias="tolerationSeconds")
 
 
 class CanaryStep(_Spec):
-    weight: int = Field(ge=1, le=100)
-    pause: Duration = Field(default=60.0, description="how long the step runs before the next one")
+    weight: SpecInt = Field(ge=1, le=100)
+    pause: SpecDuration = Field(default=60.0, description="how long the step runs before the next one")
 
 
 class OnMetricsUnavailable(_Spec):
     action: Literal["Hold", "Rollback"] = "Hold"
-    deadline: Duration = Field(default=600.0, description="with Rollback: how long metrics may be missing")
+    deadline: SpecDuration = Field(default=600.0, description="with Rollback: how long metrics may be missing")
 
 
 def _default_steps() -> list[CanaryStep]:
@@ -131,9 +157,9 @@ def _default_steps() -> list[CanaryStep]:
 
 class RolloutSpec(_Spec):
     steps: list[CanaryStep] = Field(default_factory=_default_steps, min_length=1, max_length=20)
-    analysis_interval: Duration = Field(default=30.0, alias="analysisInterval", gt=0)
-    failure_limit: int = Field(default=2, alias="failureLimit", ge=1, le=100)
-    min_samples: int = Field(
+    analysis_interval: SpecDuration = Field(default=30.0, alias="analysisInterval", gt=0)
+    failure_limit: SpecInt = Field(default=2, alias="failureLimit", ge=1, le=100)
+    min_samples: SpecInt = Field(
         default=100,
         alias="minSamples",
         ge=1,
@@ -148,7 +174,7 @@ class RolloutSpec(_Spec):
             " and worse than the stable over the same window (exact tests on the requests over the objective)"
         ),
     )
-    max_inconclusive: int = Field(
+    max_inconclusive: SpecInt = Field(
         default=10,
         alias="maxInconclusive",
         ge=1,
@@ -158,7 +184,7 @@ class RolloutSpec(_Spec):
     on_metrics_unavailable: OnMetricsUnavailable = Field(
         default_factory=OnMetricsUnavailable, alias="onMetricsUnavailable"
     )
-    history_limit: int = Field(default=5, alias="historyLimit", ge=1, le=50)
+    history_limit: SpecInt = Field(default=5, alias="historyLimit", ge=1, le=50)
 
     @model_validator(mode="after")
     def _steps_increasing(self) -> RolloutSpec:
@@ -195,7 +221,7 @@ class TuningSpec(_Spec):
 
 class PolicySpec(_Spec):
     model: ModelSpec
-    replicas: int = Field(default=1, ge=1, le=1000)
+    replicas: SpecInt = Field(default=1, ge=1, le=1000)
     resources: Resources = Field(default_factory=Resources)
     node_selector: dict[str, str] = Field(default_factory=dict, alias="nodeSelector")
     tolerations: list[Toleration] = Field(default_factory=list, max_length=32)
@@ -268,8 +294,22 @@ def _lane_runtime_fields(lane: dict[str, Any]) -> dict[str, Any]:
 
 
 def parse_spec(spec: dict[str, Any]) -> PolicySpec:
-    """Validate a raw ``.spec`` mapping (from the API or a YAML file)."""
-    return PolicySpec.model_validate(spec)
+    """Validate a raw ``.spec`` mapping (from the API or a YAML file) exactly as admission types it.
+
+    Strict, as the CRD's OpenAPI schema is: an integer field takes only an integer (not ``"8"``,
+    ``8.5`` or ``true``), a number field a number, a string field a string and every duration a
+    string. A null is dropped first, as the apiserver prunes a null of a non-nullable field
+    (so a required field set to null is missing, and an optional one takes its default).
+    """
+    return PolicySpec.model_validate(_drop_nulls(spec), strict=True, context={_FROM_MANIFEST: True})
+
+
+def _drop_nulls(value: Any) -> Any:
+    if isinstance(value, dict):
+        return {k: _drop_nulls(v) for k, v in value.items() if v is not None}
+    if isinstance(value, list):
+        return [_drop_nulls(v) for v in value]
+    return value
 
 
 def describe_duration(seconds: float) -> str:

@@ -183,6 +183,10 @@ class RuntimeConfig(_Model):
 
 
 def load_config(path: str | Path) -> RuntimeConfig:
-    """Read a runtime config from a JSON or YAML file (JSON is YAML)."""
+    """Read a runtime config from a JSON or YAML file (JSON is YAML).
+
+    Strict on types, as the policy's CRD is: ``"maxBatchSize": "8"`` is an error, not an 8.
+    Durations may be strings or seconds.
+    """
     data = yaml.safe_load(Path(path).read_text())
-    return RuntimeConfig.model_validate(data)
+    return RuntimeConfig.model_validate(data, strict=True)

@@ -75,6 +75,10 @@ def parse_infer(body: bytes, spec: TensorSpec, json_length: int | None = None) -
     params = tensor.get("parameters") or {}
     if not isinstance(params, dict):
         raise _fail("input 'parameters' must be an object")
+    if "shared_memory_region" in params:
+        raise _fail(
+            "input shared_memory_region: the shared-memory extensions are not implemented; send the data inline"
+        )
     binary_size = params.get("binary_data_size")
     if binary_size is not None:
         if json_length is None:
@@ -117,7 +121,12 @@ def parse_infer(body: bytes, spec: TensorSpec, json_length: int | None = None) -
             if not isinstance(out, dict) or out.get("name") != "output":
                 raise _fail("unknown requested output: this model's output is 'output'")
             out_params = out.get("parameters") or {}
-            if isinstance(out_params, dict) and out_params.get("binary_data"):
+            if not isinstance(out_params, dict):
+                raise _fail("output 'parameters' must be an object")
+            for unsupported, what in (("classification", "classification"), ("shared_memory_region", "shared-memory")):
+                if unsupported in out_params:
+                    raise _fail(f"output {unsupported}: the {what} extension is not implemented")
+            if out_params.get("binary_data"):
                 binary_output = True
     rid = doc.get("id")
     return InferRequest(id=None if rid is None else str(rid), data=arr, lane=lane, binary_output=binary_output)

@@ -21,9 +21,11 @@ import os
 import signal
 import sys
 import time
+from collections.abc import Awaitable, Callable
 from typing import Any
 
 import numpy as np
+import orjson
 from aiohttp import web
 
 from batchpilot_runtime import __version__, admin
@@ -45,6 +47,11 @@ log = logging.getLogger("batchpilot.runtime")
 LANE_HEADER = "X-Batchpilot-Lane"
 JSON = "application/json"
 RETRY_AFTER_S = "1"
+SERVER_NAME = "batchpilot-runtime"
+# Open Inference Protocol extensions this server implements (named as Triton names them, so a
+# client can check ``get_server_metadata()["extensions"]``).
+EXTENSIONS = ("binary_tensor_data", "model_configuration")
+_DATA_TYPES = {"FP32": "TYPE_FP32", "FP16": "TYPE_FP16", "INT64": "TYPE_INT64", "INT32": "TYPE_INT32"}
 
 # Outcome tuples set on a request's future by the worker side.
 _OK = 0
@@ -193,10 +200,21 @@ class Runtime:
         reason = "draining" if self.draining else (self.load_error or "loading model")
         return _json_response(503, f"not ready: {reason}")
 
+    async def server_meta(self, request: web.Request) -> web.Response:
+        doc = {"name": SERVER_NAME, "version": __version__, "extensions": list(EXTENSIONS)}
+        return web.Response(body=orjson.dumps(doc), content_type=JSON)
+
     def _check_model(self, request: web.Request) -> web.Response | None:
         name = request.match_info["name"]
         if name != self.cfg.model.name:
             return _json_response(404, f"unknown model {name!r}; this server serves {self.cfg.model.name!r}")
+        version = request.match_info.get("version")
+        if version is not None and version != self.cfg.revision:
+            return _json_response(
+                404,
+                f"unknown version {version!r} of model {name!r}; this server serves version "
+                f"{self.cfg.revision!r} (the policy revision) only",
+            )
         return None
 
     async def model_meta(self, request: web.Request) -> web.Response:
@@ -223,9 +241,63 @@ class Runtime:
                 "runtime_version": __version__,
             },
         }
-        import orjson
-
         return web.Response(body=orjson.dumps(doc), content_type=JSON)
+
+    async def model_config(self, request: web.Request) -> web.Response:
+        """The model configuration extension, in Triton's shape (dims without the batch dim)."""
+        bad = self._check_model(request)
+        if bad is not None:
+            return bad
+        if self.model is None:
+            return _json_response(503, "model is loading")
+        default = self.cfg.lane(self.default_lane)
+
+        def tensor(spec: TensorSpec) -> dict[str, Any]:
+            return {"name": spec.name, "data_type": _DATA_TYPES[spec.datatype], "dims": list(spec.row_shape)}
+
+        doc = {
+            "name": self.cfg.model.name,
+            "platform": "pytorch",
+            "backend": SERVER_NAME,
+            "max_batch_size": max(lane.max_batch_size for lane in self.cfg.lanes),
+            "input": [tensor(self.model.input)],
+            "output": [tensor(self.model.output)],
+            "dynamic_batching": {
+                "max_queue_delay_microseconds": round(default.max_queue_delay * 1e6),
+                "default_queue_policy": {
+                    "timeout_action": "REJECT",
+                    "default_timeout_microseconds": round(default.request_timeout * 1e6),
+                    "max_queue_size": default.max_queue_length,
+                },
+            },
+            "parameters": {
+                "revision": {"string_value": self.cfg.revision},
+                "default_lane": {"string_value": self.default_lane},
+                "lanes": {"string_value": ",".join(self.lane_names)},
+            },
+        }
+        return web.Response(body=orjson.dumps(doc), content_type=JSON)
+
+    @staticmethod
+    def not_implemented(extension: str) -> Callable[[web.Request], Awaitable[web.Response]]:
+        """A handler for an optional protocol extension this server does not implement: a clear 400."""
+
+        async def handler(request: web.Request) -> web.Response:
+            return _json_response(
+                400,
+                f"{request.method} {request.path}: the {extension} extension is not implemented by "
+                f"{SERVER_NAME}; it implements the core Open Inference Protocol and {', '.join(EXTENSIONS)}",
+            )
+
+        return handler
+
+    async def no_route(self, request: web.Request) -> web.Response:
+        return _json_response(
+            404,
+            f"{request.method} {request.path} is not an endpoint of {SERVER_NAME} (Open Inference Protocol "
+            "v2 REST: GET /v2, /v2/health/{live,ready}, /v2/models/NAME[/versions/V][/ready|/config], "
+            "POST /v2/models/NAME[/versions/V]/infer)",
+        )
 
     async def model_ready(self, request: web.Request) -> web.Response:
         bad = self._check_model(request)
@@ -354,15 +426,40 @@ class Runtime:
                 await asyncio.wait_for(self.idle.wait(), 2.0)
 
 
+# Optional extensions a stock client (tritonclient) may call, answered 400 with their name.
+_UNIMPLEMENTED = (
+    ("statistics", "/v2/models/stats"),
+    ("statistics", "/v2/models/{name}/stats"),
+    ("statistics", "/v2/models/{name}/versions/{version}/stats"),
+    ("model_repository", "/v2/repository/{tail:.*}"),
+    ("system_shared_memory", "/v2/systemsharedmemory/{tail:.*}"),
+    ("cuda_shared_memory", "/v2/cudasharedmemory/{tail:.*}"),
+    ("trace", "/v2/trace/setting"),
+    ("trace", "/v2/models/{name}/trace/setting"),
+    ("logging", "/v2/logging"),
+    ("generate", "/v2/models/{name}/generate"),
+    ("generate", "/v2/models/{name}/generate_stream"),
+    ("generate", "/v2/models/{name}/versions/{version}/generate"),
+    ("generate", "/v2/models/{name}/versions/{version}/generate_stream"),
+)
+
+
 def build_app(rt: Runtime) -> web.Application:
     app = web.Application(client_max_size=256 * 1024 * 1024)
-    app.router.add_get("/v2/health/live", rt.live)
-    app.router.add_get("/v2/health/ready", rt.health_ready)
-    app.router.add_get("/v2/models/{name}", rt.model_meta)
-    app.router.add_get("/v2/models/{name}/ready", rt.model_ready)
-    app.router.add_post("/v2/models/{name}/infer", rt.infer)
-    app.router.add_get("/metrics", rt.metrics_handler)
+    r = app.router
+    r.add_get("/v2", rt.server_meta)
+    r.add_get("/v2/health/live", rt.live)
+    r.add_get("/v2/health/ready", rt.health_ready)
+    for extension, path in _UNIMPLEMENTED:  # before /v2/models/{name}, which "stats" would match
+        r.add_route("*", path, rt.not_implemented(extension))
+    for model in ("/v2/models/{name}", "/v2/models/{name}/versions/{version}"):
+        r.add_get(model, rt.model_meta)
+        r.add_get(model + "/ready", rt.model_ready)
+        r.add_get(model + "/config", rt.model_config)
+        r.add_post(model + "/infer", rt.infer)
+    r.add_get("/metrics", rt.metrics_handler)
     admin.add_routes(app, rt)
+    r.add_route("*", "/v2/{tail:.*}", rt.no_route)
     return app
 
 

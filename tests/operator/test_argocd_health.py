@@ -15,7 +15,7 @@ from typing import Any
 import pytest
 import yaml
 
-from bptest import REPO
+from bptest import REPO, lua_literal
 
 LUA = shutil.which("lua5.1") or "/usr/bin/lua5.1"
 HEALTH = REPO / "manifests" / "argocd" / "health.lua"
@@ -28,31 +28,6 @@ local check = assert(loadfile(arg[2]))
 local hs = check()
 io.write(hs.status, "\\n", hs.message or "", "\\n")
 """
-
-
-def lua_literal(value: Any) -> str:
-    """A Python JSON value as a Lua 5.1 table constructor (JSON null becomes an absent key)."""
-    if isinstance(value, bool):
-        return "true" if value else "false"
-    if isinstance(value, int | float):
-        return repr(value)
-    if isinstance(value, str):
-        out = []
-        for byte in value.encode():
-            ch = chr(byte)
-            if ch in '\\"':
-                out.append("\\" + ch)
-            elif 32 <= byte < 127:
-                out.append(ch)
-            else:
-                out.append(f"\\{byte:03d}")
-        return '"' + "".join(out) + '"'
-    if isinstance(value, list):
-        return "{" + ", ".join(lua_literal(v) for v in value if v is not None) + "}"
-    if isinstance(value, dict):
-        items = [f"[{lua_literal(str(k))}] = {lua_literal(v)}" for k, v in value.items() if v is not None]
-        return "{" + ", ".join(items) + "}"
-    raise TypeError(f"not JSON: {value!r}")
 
 
 def health(obj: dict[str, Any], tmp_path: Path, script: Path = HEALTH) -> tuple[str, str]:

@@ -49,8 +49,11 @@ BASE: dict[str, Any] = {
 }
 
 
+_NULL = object()  # with _set: write an explicit null (None deletes the key)
+
+
 def _set(path: str, value: Any) -> Callable[[dict[str, Any]], None]:
-    """A mutation setting spec.<path> (dots; integers index lists); value None deletes."""
+    """A mutation setting spec.<path> (dots; integers index lists); value None deletes, _NULL writes null."""
 
     def mutate(spec: dict[str, Any]) -> None:
         keys: list[str | int] = [int(k) if k.isdigit() else k for k in path.split(".")]
@@ -60,7 +63,7 @@ def _set(path: str, value: Any) -> Callable[[dict[str, Any]], None]:
         if value is None:
             del target[keys[-1]]
         else:
-            target[keys[-1]] = value
+            target[keys[-1]] = None if value is _NULL else value
 
     return mutate
 
@@ -103,6 +106,59 @@ INVALID: list[tuple[str, Callable[[dict[str, Any]], None], str]] = [
     ("error-rate-quoted", _set("slo.maxErrorRate", "0.05"), "maxErrorRate"),
 ]
 
+# Types: the CRD's OpenAPI types are strict (no "8" for an integer, no 5 for a duration string);
+# `batchpilot validate` must never pass what admission rejects, so the models are strict too.
+INVALID_TYPES: list[tuple[str, Callable[[dict[str, Any]], None], str]] = [
+    ("type-batch-quoted", _set("lanes.0.maxBatchSize", "8"), "maxBatchSize"),
+    ("type-batch-fraction", _set("lanes.0.maxBatchSize", 8.5), "maxBatchSize"),
+    ("type-batch-bool", _set("lanes.0.maxBatchSize", True), "maxBatchSize"),
+    ("type-queue-length-quoted", _set("lanes.0.maxQueueLength", "64"), "maxQueueLength"),
+    ("type-priority-quoted", _set("lanes.0.priority", "10"), "priority"),
+    ("type-replicas-quoted", _set("replicas", "2"), "replicas"),
+    ("type-threads-quoted", _set("model.threads", "4"), "threads"),
+    ("type-gpus-quoted", _set("resources", {"gpus": "1"}), "gpus"),
+    ("type-weight-quoted", _set("rollout.steps", [{"weight": "10"}]), "weight"),
+    ("type-failure-limit-quoted", _set("rollout.failureLimit", "2"), "failureLimit"),
+    ("type-min-samples-fraction", _set("rollout.minSamples", 100.5), "minSamples"),
+    ("type-max-inconclusive-quoted", _set("rollout.maxInconclusive", "3"), "maxInconclusive"),
+    ("type-history-limit-bool", _set("rollout.historyLimit", False), "historyLimit"),
+    (
+        "type-toleration-seconds-quoted",
+        _set("tolerations", [{"key": "k", "tolerationSeconds": "5"}]),
+        "tolerationSeconds",
+    ),
+    ("type-window-number", _set("lanes.0.maxQueueDelay", 0.002), "maxQueueDelay"),
+    ("type-timeout-number", _set("lanes.0.requestTimeout", 1), "requestTimeout"),
+    ("type-slo-p99-number", _set("slo.p99Latency", 0.05), "p99Latency"),
+    ("type-lane-slo-age-number", _set("lanes.1.slo.maxQueueAge", 1), "maxQueueAge"),
+    ("type-pause-number", _set("rollout.steps", [{"weight": 10, "pause": 30}]), "pause"),
+    ("type-interval-number", _set("rollout.analysisInterval", 30), "analysisInterval"),
+    ("type-deadline-number", _set("rollout.onMetricsUnavailable", {"action": "Rollback", "deadline": 60}), "deadline"),
+    ("type-error-rate-bool", _set("slo.maxErrorRate", True), "maxErrorRate"),
+    ("type-expected-rate-quoted", _set("lanes.0.expectedRate", "100"), "expectedRate"),
+    ("type-lane-name-number", _set("lanes.0.name", 7), "name"),
+    ("type-model-name-number", _set("model.name", 5), "name"),
+    ("type-image-number", _set("model.image", 1), "image"),
+    ("type-default-lane-number", _set("defaultLane", 1), "defaultLane"),
+    ("type-device-bool", _set("model.device", True), "device"),
+    ("type-node-selector-int", _set("nodeSelector", {"gpu": 1}), "nodeSelector"),
+    ("type-lanes-object", _set("lanes", {"name": "interactive"}), "lanes"),
+    ("type-slo-string", _set("slo", "50ms"), "slo"),
+    ("type-steps-object", _set("rollout.steps", {"weight": 10}), "steps"),
+    ("type-required-null", _set("lanes.0.maxBatchSize", _NULL), "maxBatchSize"),
+]
+
+# ... and where the CRD's types allow something, the models allow it too.
+VALID_TYPES: list[tuple[str, Callable[[dict[str, Any]], None]]] = [
+    ("integer-for-number", _set("slo.maxErrorRate", 1)),
+    ("whole-float-for-integer", _set("lanes.0.maxBatchSize", 8.0)),  # JSON has one number type
+    ("whole-float-replicas", _set("replicas", 3.0)),
+    ("integer-expected-rate", _set("lanes.0.expectedRate", 100)),
+    ("fraction-expected-rate", _set("lanes.0.expectedRate", 12.5)),
+    ("null-optional-defaults", _set("replicas", _NULL)),
+    ("null-priority", _set("lanes.0.priority", _NULL)),
+]
+
 
 def policy_with(mutation: Callable[[dict[str, Any]], None] | None = None) -> dict[str, Any]:
     policy = copy.deepcopy(BASE)
@@ -127,6 +183,24 @@ def test_models_reject_invalid_policy_naming_the_field(case: str, mutation: Any,
     error = pydantic_error(policy_with(mutation)["spec"])
     assert error is not None, f"{case}: the models accepted an invalid policy"
     assert expected in error, f"{case}: error does not name {expected!r}:\n{error}"
+
+
+@pytest.mark.parametrize(("case", "mutation", "expected"), INVALID_TYPES, ids=[c[0] for c in INVALID_TYPES])
+def test_models_reject_wrong_types_as_the_crd_does(case: str, mutation: Any, expected: str) -> None:
+    error = pydantic_error(policy_with(mutation)["spec"])
+    assert error is not None, f"{case}: the models coerced a value that admission rejects"
+    assert expected in error, f"{case}: error does not name {expected!r}:\n{error}"
+
+
+@pytest.mark.parametrize(("case", "mutation"), VALID_TYPES, ids=[c[0] for c in VALID_TYPES])
+def test_models_accept_what_the_crd_types_allow(case: str, mutation: Any) -> None:
+    assert pydantic_error(policy_with(mutation)["spec"]) is None
+
+
+def test_python_callers_may_still_pass_float_seconds() -> None:
+    from batchpilot_operator.spec import CanaryStep
+
+    assert CanaryStep(weight=10, pause=30.0).pause == 30.0  # only manifests must spell durations
 
 
 @pytest.mark.parametrize("path", EXAMPLES, ids=[p.stem for p in EXAMPLES])
@@ -174,6 +248,32 @@ def test_apiserver_rejects_each_invalid_policy_naming_the_field(kube: Kube, name
             failures.append(f"{case}: accepted by the apiserver")
         elif expected not in result.stderr:
             failures.append(f"{case}: message does not name {expected!r}: {result.stderr.strip()}")
+    assert not failures, "\n".join(failures)
+
+
+@pytest.mark.cluster
+def test_apiserver_rejects_each_wrong_type_naming_the_field(kube: Kube, namespace: str) -> None:
+    failures = []
+    for case, mutation, expected in INVALID_TYPES:
+        policy = policy_with(mutation)
+        policy["metadata"]["name"] = case
+        result = kube.apply(policy, "-n", namespace, "--dry-run=server", check=False)
+        if result.returncode == 0:
+            failures.append(f"{case}: accepted by the apiserver")
+        elif expected not in result.stderr:
+            failures.append(f"{case}: message does not name {expected!r}: {result.stderr.strip()}")
+    assert not failures, "\n".join(failures)
+
+
+@pytest.mark.cluster
+def test_apiserver_accepts_what_the_models_accept_on_types(kube: Kube, namespace: str) -> None:
+    failures = []
+    for case, mutation in VALID_TYPES:
+        policy = policy_with(mutation)
+        policy["metadata"]["name"] = case
+        result = kube.apply(policy, "-n", namespace, "--dry-run=server", check=False)
+        if result.returncode != 0:
+            failures.append(f"{case}: rejected by the apiserver: {result.stderr.strip()}")
     assert not failures, "\n".join(failures)
 
 

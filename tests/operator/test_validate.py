@@ -222,6 +222,24 @@ def test_schema_errors_name_the_field(tmp_path: Path) -> None:
     assert "maxBatch: 8" in text[by_policy["typo"]["line"] - 1]
 
 
+def test_wrong_types_the_apiserver_rejects_fail_validation(tmp_path: Path) -> None:
+    # Written as a person would: a quoted number and a bare number for a duration. The
+    # apiserver rejects both (tests/operator/test_crd.py runs the same cases through it).
+    path = tmp_path / "typed.yaml"
+    path.write_text(
+        yaml.safe_dump(POLICY, sort_keys=False)
+        .replace("maxBatchSize: 16", 'maxBatchSize: "16"')
+        .replace("maxQueueDelay: 5ms", "maxQueueDelay: 5")
+    )
+    result = validate(path, "-o", "json")
+    assert result.returncode == 1, result.stdout
+    findings = {f["field"]: f for f in json.loads(result.stdout)["findings"]}
+    assert "valid integer" in findings["spec.lanes[0].maxBatchSize"]["message"]
+    assert "duration string" in findings["spec.lanes[0].maxQueueDelay"]["message"]
+    text = path.read_text().splitlines()
+    assert 'maxBatchSize: "16"' in text[findings["spec.lanes[0].maxBatchSize"]["line"] - 1]
+
+
 def test_github_annotations(tmp_path: Path) -> None:
     profile = write_profile(tmp_path, {1: 0.010, 16: 0.096})
     path = policy_file(tmp_path, POLICY)

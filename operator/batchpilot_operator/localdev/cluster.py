@@ -90,6 +90,11 @@ def make_pki(pki: Path) -> None:
         "3650",
         "-subj",
         "/CN=batchpilot-local-ca",
+        # What strict X.509 verification (Python 3.13's default, OpenSSL's X509_STRICT) demands.
+        "-addext",
+        "basicConstraints=critical,CA:TRUE",
+        "-addext",
+        "keyUsage=critical,keyCertSign,cRLSign",
         "-keyout",
         "ca.key",
         "-out",
@@ -100,6 +105,7 @@ def make_pki(pki: Path) -> None:
         "[req]\ndistinguished_name=dn\n[dn]\n[ext]\n"
         "subjectAltName=IP:127.0.0.1,DNS:localhost,DNS:kubernetes,DNS:kubernetes.default.svc\n"
         "keyUsage=digitalSignature,keyEncipherment\nextendedKeyUsage=serverAuth\n"
+        "subjectKeyIdentifier=hash\nauthorityKeyIdentifier=keyid,issuer\n"
     )
     _openssl(
         "req",

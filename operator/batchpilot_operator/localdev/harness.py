@@ -45,6 +45,7 @@ class RuntimeProcess:
     ready: bool = False
     pod_ip: str | None = None
     pod_port: int | None = None
+    model: str = ""
 
     @property
     def url(self) -> str:
@@ -52,8 +53,18 @@ class RuntimeProcess:
 
 
 class RuntimeHarness:
-    def __init__(self, kubeconfig: Path, namespace: str, workdir: Path, prometheus: PrometheusServer) -> None:
+    def __init__(
+        self,
+        kubeconfig: Path,
+        namespace: str,
+        workdir: Path,
+        prometheus: PrometheusServer,
+        device: str | None = None,
+    ) -> None:
+        """``device``: when set, overrides every config's ``model.device`` (kwok's GPU nodes are
+        fake: ``auto`` runs a policy that asks for ``cuda`` on this machine's CPU when it has no GPU)."""
         self.namespace = namespace
+        self.device = device
         self.workdir = workdir
         self.prometheus = prometheus
         workdir.mkdir(parents=True, exist_ok=True)
@@ -88,8 +99,21 @@ class RuntimeHarness:
         if self._thread:
             self._thread.join(timeout=10)
         with self._lock:
-            for name in list(self.procs):
-                self._terminate(name)
+            # SIGTERM all first, then wait: each drains on its own, in parallel.
+            procs = list(self.procs.values())
+            self.procs.clear()
+            for p in procs:
+                if p.proc.poll() is None:
+                    with contextlib.suppress(ProcessLookupError):
+                        os.killpg(p.proc.pid, signal.SIGTERM)
+            deadline = time.monotonic() + 20
+            for p in procs:
+                try:
+                    p.proc.wait(timeout=max(0.1, deadline - time.monotonic()))
+                except subprocess.TimeoutExpired:
+                    with contextlib.suppress(ProcessLookupError):
+                        os.killpg(p.proc.pid, signal.SIGKILL)
+                    p.proc.wait()
             self._write_targets()
 
     def __enter__(self) -> RuntimeHarness:
@@ -130,6 +154,8 @@ class RuntimeHarness:
         cm_name = next(v.config_map.name for v in pod.spec.volumes if v.config_map is not None)
         cm = self.core.read_namespaced_config_map(cm_name, self.namespace)
         cfg = json.loads((cm.data or {})[CONFIG_KEY])
+        if self.device is not None:
+            cfg["model"]["device"] = self.device
         cfg_path = self.workdir / f"{pod.metadata.name}.json"
         cfg_path.write_text(json.dumps(cfg))
         port = free_port()
@@ -174,6 +200,7 @@ class RuntimeHarness:
             proc=proc,
             pod_ip=pod_ip,
             pod_port=pod_port,
+            model=str(cfg.get("model", {}).get("name", "")),
         )
 
     def _terminate(self, name: str) -> None:
@@ -221,6 +248,11 @@ class RuntimeHarness:
         """Ready runtime processes of ``policy``: what its Service would route to."""
         with self._lock:
             return [p for p in self.procs.values() if p.policy == policy and p.ready]
+
+    def processes(self) -> list[RuntimeProcess]:
+        """Every runtime process, ready or not (a snapshot)."""
+        with self._lock:
+            return list(self.procs.values())
 
     def wait_ready(self, policy: str, count: int, timeout: float = 120.0) -> None:
         deadline = time.monotonic() + timeout

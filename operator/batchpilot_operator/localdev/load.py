@@ -46,13 +46,16 @@ class TraceReplay:
         model: str,
         lane: str | None = None,
         seed: int = 1,
+        body: Mapping[str, object] | None = None,
     ) -> None:
+        """``body``: the infer request to send (default: one FP32 row of 512, the MLPs' input)."""
         if not arrivals:
             raise ValueError("empty arrival trace")
         self.arrivals = list(arrivals)
         self.endpoints = endpoints
         self.model = model
         self.lane = lane
+        self.body = body
         self.rng = random.Random(seed)
         self.stats: dict[tuple[str, str], TrackStats] = defaultdict(TrackStats)
         self.dropped_no_endpoint = 0
@@ -64,13 +67,20 @@ class TraceReplay:
         self._thread.start()
         return self
 
+    @property
+    def running(self) -> bool:
+        """The replay thread is alive (started and neither stopped nor crashed)."""
+        return self._thread is not None and self._thread.is_alive()
+
     def stop(self) -> None:
         self._stop.set()
         if self._thread:
             self._thread.join(timeout=30)
 
     async def _run(self) -> None:
-        body: dict[str, object] = {"inputs": [{"name": "input", "shape": [1, 512], "datatype": "FP32", "data": ROW}]}
+        body: Mapping[str, object] = self.body or {
+            "inputs": [{"name": "input", "shape": [1, 512], "datatype": "FP32", "data": ROW}]
+        }
         headers = {"X-Batchpilot-Lane": self.lane} if self.lane else {}
         period = self.arrivals[-1] + max(1e-3, self.arrivals[-1] / max(1, len(self.arrivals)))
         conn = aiohttp.TCPConnector(limit=512)

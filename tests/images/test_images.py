@@ -1,0 +1,153 @@
+"""The images `make images` builds, started the way the cluster would start them (podman, host
+network, vfs storage, runc): the operator image answers its health endpoint against the local
+control plane; the runtime image serves an inference request with a config file mounted where the
+operator mounts it (/etc/batchpilot/config.json).
+
+Needs buildah, podman, mmdebstrap and runc (apt); the images are built by this test when missing
+(`bash hack/images.sh`, a few minutes the first time), else reused.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import time
+import urllib.error
+import urllib.request
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from batchpilot_operator.localdev import free_port
+from bptest import REPO, Kube
+
+pytestmark = [pytest.mark.slow, pytest.mark.images]
+
+VERSION = next(
+    line.split('"')[1] for line in (REPO / "pyproject.toml").read_text().splitlines() if line.startswith("version = ")
+)
+OPERATOR = f"localhost/batchpilot/operator:{VERSION}"
+RUNTIME = f"localhost/batchpilot/runtime:{VERSION}"
+ENV = {**os.environ, "CONTAINERS_CONF": str(REPO / "hack" / "images" / "containers.conf")}
+PODMAN = ["podman", "--storage-driver", "vfs", "--runtime", "runc"]
+
+
+def podman(*args: str, check: bool = True, timeout: float = 120) -> subprocess.CompletedProcess[str]:
+    result = subprocess.run([*PODMAN, *args], capture_output=True, text=True, env=ENV, timeout=timeout, check=False)
+    if check and result.returncode != 0:
+        raise AssertionError(f"podman {' '.join(args)}: {result.stderr}")
+    return result
+
+
+@pytest.fixture(scope="module")
+def images() -> None:
+    missing = [t for t in ("buildah", "podman", "mmdebstrap", "runc") if shutil.which(t) is None]
+    if missing:
+        pytest.skip(f"make images needs {', '.join(missing)}: apt-get install buildah podman mmdebstrap runc")
+    if any(podman("image", "exists", image, check=False).returncode != 0 for image in (OPERATOR, RUNTIME)):
+        subprocess.run(["bash", str(REPO / "hack" / "images.sh")], check=True, timeout=1800, env=ENV)
+
+
+@pytest.fixture
+def containers() -> Iterator[list[str]]:
+    started: list[str] = []
+    yield started
+    for name in started:
+        podman("rm", "--force", "--time", "5", name, check=False)
+
+
+def wait_http(url: str, timeout: float, container: str) -> bytes:
+    deadline = time.monotonic() + timeout
+    while True:
+        try:
+            with urllib.request.urlopen(url, timeout=2) as resp:
+                body: bytes = resp.read()
+                return body
+        except (urllib.error.URLError, OSError):
+            pass
+        state = podman("inspect", "--format", "{{.State.Status}}", container, check=False).stdout.strip()
+        if state not in ("running", "created", "configured"):
+            logs = podman("logs", container, check=False)
+            raise AssertionError(f"{container} is {state}:\n{logs.stdout}{logs.stderr}")
+        if time.monotonic() > deadline:
+            logs = podman("logs", container, check=False)
+            raise AssertionError(f"{url} did not answer within {timeout}s:\n{logs.stdout}{logs.stderr}")
+        time.sleep(0.5)
+
+
+def test_runtime_image_serves_an_inference_with_a_mounted_config(
+    images: None, containers: list[str], tmp_path: Path
+) -> None:
+    port = free_port()
+    config = tmp_path / "config"
+    config.mkdir()
+    (config / "config.json").write_text(
+        json.dumps(
+            {
+                "policy": "p",
+                "revision": "abc123",
+                "model": {"name": "mlp", "source": "builtin:tiny-mlp", "device": "auto", "dtype": "float32"},
+                "lanes": [
+                    {
+                        "name": "interactive",
+                        "maxBatchSize": 8,
+                        "maxQueueDelay": "2ms",
+                        "maxQueueLength": 64,
+                        "requestTimeout": "1s",
+                    }
+                ],
+            }
+        )
+    )
+    config.chmod(0o755)
+    (config / "config.json").chmod(0o644)
+    name = f"bp-runtime-{port}"
+    containers.append(name)
+    # What the operator's pod spec does: the revision's ConfigMap at /etc/batchpilot, read-only.
+    podman(
+        "run", "--detach", "--name", name, "--network", "host",
+        "--volume", f"{config}:/etc/batchpilot:ro", "--read-only",
+        RUNTIME, "--config", "/etc/batchpilot/config.json", "--track", "canary", "--port", str(port),
+    )  # fmt: skip
+    url = f"http://127.0.0.1:{port}"
+    wait_http(f"{url}/v2/health/ready", 120, name)
+    body = json.dumps({"inputs": [{"name": "input", "datatype": "FP32", "shape": [2, 512], "data": [0.5] * 1024}]})
+    req = urllib.request.Request(f"{url}/v2/models/mlp/infer", data=body.encode(), method="POST")
+    with urllib.request.urlopen(req, timeout=30) as resp:
+        out = json.loads(resp.read())
+    assert out["model_version"] == "abc123" and out["outputs"][0]["shape"] == [2, 512]
+    meta = json.loads(wait_http(f"{url}/v2/models/mlp", 10, name))
+    assert meta["parameters"]["track"] == "canary" and meta["parameters"]["device"] == "cpu"
+    torch = podman("run", "--rm", "--entrypoint", "cat", RUNTIME, "/etc/batchpilot-torch-version").stdout.strip()
+    source = podman("image", "inspect", "--format", '{{index .Labels "dev.batchpilot.torch-source"}}', RUNTIME)
+    assert torch.startswith("2.") and source.stdout.strip() in ("debian", "pypi")
+    user = podman("inspect", "--format", "{{.Config.User}}", name).stdout.strip()
+    assert user == "65532:65532"
+
+
+@pytest.mark.cluster
+def test_operator_image_is_healthy_against_the_local_control_plane(
+    images: None, containers: list[str], kube: Kube, tmp_path: Path
+) -> None:
+    # A self-contained kubeconfig (CA inline) in a directory the container's user can read.
+    flat = kube.kubectl("config", "view", "--raw", "--flatten").stdout
+    conf = tmp_path / "kube"
+    conf.mkdir()
+    (conf / "config").write_text(flat)
+    conf.chmod(0o755)
+    (conf / "config").chmod(0o644)
+    health, metrics = free_port(), free_port()
+    name = f"bp-operator-{health}"
+    containers.append(name)
+    podman(
+        "run", "--detach", "--name", name, "--network", "host", "--read-only",
+        "--volume", f"{conf}:/kube:ro",
+        OPERATOR, "run", "--kubeconfig", "/kube/config", "--namespace", "default",
+        f"--health-port={health}", f"--metrics-port={metrics}", "--prometheus-url", "http://127.0.0.1:9",
+    )  # fmt: skip
+    wait_http(f"http://127.0.0.1:{health}/healthz", 120, name)
+    metrics_text = wait_http(f"http://127.0.0.1:{metrics}/metrics", 30, name).decode()
+    assert "batchpilot_operator_reconciles_total" in metrics_text
