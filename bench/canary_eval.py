@@ -25,10 +25,9 @@ forward time x1.2) at the load where the stable's p99 over the whole run is 85% 
 stable meets it with margin; whether the slower model breaks it is in ``setup``); ``shed2`` a
 queue bound that sheds about 2% of requests over the run (error budget 1%).
 
-Load: ``--rate`` (default: the rate at which 10% of the stable's 15 s windows of the shipped
-trace breach the p99 latency or queue-age SLO by the point estimate: bursts that both tracks
-see, where false rollbacks happen), the same mean rate for every trace; ``slower20`` runs at its
-own rate (bisected up to 3x that).
+Load: ``--rate`` (default: per trace, the rate at which 10% of the stable's 15 s windows breach
+the p99 latency or queue-age SLO by the point estimate: bursts that both tracks see, where false
+rollbacks happen); ``slower20`` runs at its own rate (bisected up to 3x that).
 
 Reported per (trace, scenario, rule): the share of Failed analyses over all windows, the share
 of rollouts rolled back / promoted / held (Stalled), and for bad changes the share rolled back
@@ -185,54 +184,55 @@ def make_trace(kind: str, rate: float, duration: float, rng: random.Random) -> l
 # --------------------------------------------------------------------------- one simulated run
 
 
+class Histogram:
+    """Observations (time seen, value) kept as, per bucket bound, the sorted times of the
+    observations at or under it: a window's cumulative bucket counts are two binary searches
+    per bucket, whatever the window's length."""
+
+    def __init__(self, times: Sequence[float], values: Sequence[float]) -> None:
+        t, v = np.asarray(times, dtype=float), np.asarray(values, dtype=float)
+        self.per_bound = [np.sort(t[v <= bound]) for bound in BOUNDS]
+
+    def window(self, a: float, b: float) -> tuple[tuple[float, float], ...]:
+        return tuple(
+            (float(bound), float(np.searchsorted(ts, b) - np.searchsorted(ts, a)))
+            for bound, ts in zip(BOUNDS, self.per_bound, strict=True)
+        )
+
+
 @dataclass
 class TrackData:
-    """A track's observations, each array sorted by the time Prometheus would see it."""
+    """A track's observations, by the time Prometheus would see them."""
 
-    lat_t: np.ndarray
-    lat_v: np.ndarray
-    age_t: np.ndarray
-    age_v: np.ndarray
+    lat: Histogram
+    age: Histogram
     served_t: np.ndarray  # well-formed requests (every outcome we simulate), at answer time
     err_t: np.ndarray
+    lat_v: np.ndarray  # every latency, for whole-run quantiles
 
     @classmethod
     def of(cls, records: Sequence[RequestRecord]) -> TrackData:
-        lat = sorted((r.done, r.latency) for r in records if r.latency is not None)
-        age = sorted(
-            (r.arrival + r.queue_age, r.queue_age) for r in records if r.queue_age is not None
-        )  # observed at dispatch (or at the timeout)
-        served = sorted(r.done for r in records)
-        err = sorted(r.done for r in records if r.outcome != "ok")
-        arr = np.array
+        lat = [(r.done, r.latency) for r in records if r.latency is not None]
+        # queue age is observed at dispatch (or at the timeout)
+        age = [(r.arrival + r.queue_age, r.queue_age) for r in records if r.queue_age is not None]
         return cls(
-            arr([t for t, _ in lat]),
-            arr([v for _, v in lat]),
-            arr([t for t, _ in age]),
-            arr([v for _, v in age]),
-            arr(served),
-            arr(err),
+            Histogram([t for t, _ in lat], [v for _, v in lat]),
+            Histogram([t for t, _ in age], [v for _, v in age]),
+            np.sort(np.array([r.done for r in records])),
+            np.sort(np.array([r.done for r in records if r.outcome != "ok"])),
+            np.array([v for _, v in lat]),
         )
 
     def window(self, a: float, b: float) -> dict[str, Any]:
-        def sl(ts: np.ndarray) -> slice:
-            return slice(int(np.searchsorted(ts, a)), int(np.searchsorted(ts, b)))
+        def count(ts: np.ndarray) -> float:
+            return float(np.searchsorted(ts, b) - np.searchsorted(ts, a))
 
-        lat = self.lat_v[sl(self.lat_t)]
-        age = self.age_v[sl(self.age_t)]
-        s = sl(self.served_t)
-        e = sl(self.err_t)
         return {
-            "lat": cumulative(lat),
-            "age": cumulative(age),
-            "served": float(s.stop - s.start),
-            "errors": float(e.stop - e.start),
+            "lat": self.lat.window(a, b),
+            "age": self.age.window(a, b),
+            "served": count(self.served_t),
+            "errors": count(self.err_t),
         }
-
-
-def cumulative(values: np.ndarray) -> tuple[tuple[float, float], ...]:
-    counts = np.searchsorted(np.sort(values), BOUNDS, side="right")
-    return tuple((float(b), float(c)) for b, c in zip(BOUNDS, counts, strict=True))
 
 
 def histogram_quantile(q: float, buckets: Sequence[tuple[float, float]]) -> float | None:
@@ -551,11 +551,11 @@ def stable_breach_share(trace: str, rate: float, table: list[float], duration: f
     return hits / total if total else 0.0
 
 
-def calibrate(trace: str, table: list[float], duration: float, target: float = 0.10) -> float:
-    lo, hi = 10.0, 4000.0
-    for _ in range(11):
+def calibrate(trace: str, table: list[float], target: float = 0.10) -> float:
+    lo, hi = 10.0, 2500.0
+    for _ in range(9):
         mid = math.sqrt(lo * hi)
-        if stable_breach_share(trace, mid, table, duration) < target:
+        if stable_breach_share(trace, mid, table, 120.0, runs=3) < target:
             lo = mid
         else:
             hi = mid
@@ -606,7 +606,8 @@ def summarize(c: dict[str, Any], scenario: str, failure_limit: int) -> dict[str,
 
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--runs", type=int, default=120, help="simulated runs per (trace, scenario); 3 rollouts each")
+    p.add_argument("--runs", type=int, default=120, help="simulated runs per (scenario) of the shipped trace")
+    p.add_argument("--runs-synthetic", type=int, default=40, help="simulated runs per (scenario) of the others")
     p.add_argument("--traces", default="azure,poisson,onoff")
     p.add_argument("--scenarios", default=",".join(SCENARIOS))
     p.add_argument("--duration", type=float, default=300.0, help="seconds of traffic per run")
@@ -625,10 +626,8 @@ def main() -> int:
     scenarios = args.scenarios.split(",")
     setup: dict[str, Any] = {}
     jobs = []
-    # One mean rate for every trace, calibrated on the shipped one: a Poisson stream only
-    # breaches near saturation, which a pure-Python simulation of minutes cannot afford.
-    rate = args.rate or calibrate("azure", table, args.duration)
     for trace in traces:
+        rate = args.rate or calibrate(trace, table)
         # slower20: the load at which the stable's p99 over the run is 85% of the SLO;
         # shed2: the queue bound that sheds closest to 2%.
         lo, hi = rate / 2, rate * 3
@@ -636,7 +635,13 @@ def main() -> int:
             mid = math.sqrt(lo * hi)
             lo, hi = (mid, hi) if whole_p99(trace, mid, STABLE, 1.0, table, args.duration) <= 0.85 * 0.12 else (lo, mid)
         slow_rate = round(lo, 1)
-        shed_queue = min(range(1, 65), key=lambda q: abs(shed_share(trace, rate, q, table, args.duration) - 0.02))
+        lo_q, hi_q = 1, 64  # shedding falls as the bound grows: the smallest bound shedding <= 2%
+        while lo_q < hi_q:
+            mid_q = (lo_q + hi_q) // 2
+            lo_q, hi_q = (
+                (lo_q, mid_q) if shed_share(trace, rate, mid_q, table, args.duration) <= 0.02 else (mid_q + 1, hi_q)
+            )
+        shed_queue = max(1, lo_q - 1)  # one below: the bound that sheds just over 2%
         setup[trace] = {
             "rate": rate,
             "stable_breach_share_at_rate": round(stable_breach_share(trace, rate, table, args.duration), 3),
@@ -649,7 +654,8 @@ def main() -> int:
         print(f"[{time.time() - t0:.0f}s] {trace}: {setup[trace]}", file=sys.stderr)
         for k, scenario in enumerate(scenarios):
             r = slow_rate if scenario == "slower20" else rate
-            jobs.append((trace, scenario, r, args.runs, 1000 * k, shed_queue, args.duration, table))
+            runs = args.runs if trace == "azure" else args.runs_synthetic
+            jobs.append((trace, scenario, r, runs, 1000 * k, shed_queue, args.duration, table))
     rows = []
     with ProcessPoolExecutor(max_workers=args.workers) as pool:
         for res in pool.map(cell, jobs):
