@@ -1,0 +1,126 @@
+"""A work queue of policy keys, in controller-runtime's shape (asyncio).
+
+* Coalescing: a key is queued at most once; events for a key while it waits are one
+  reconcile, events while it runs give exactly one more run after it.
+* Per-key serialization: a key is never reconciled by two workers at once.
+* Bounded concurrency and fairness: ``workers`` reconciles at a time, first queued first
+  served, so one policy waiting on a slow Prometheus holds one worker, not the others.
+* Requeue: :meth:`WorkQueue.add_after` (the planner's ``requeue_after``); the earliest due
+  time per key wins. A reconcile that raises is retried with a per-key exponential backoff.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Awaitable, Callable, Hashable
+from typing import Generic, TypeVar
+
+log = logging.getLogger(__name__)
+
+K = TypeVar("K", bound=Hashable)
+
+Reconciler = Callable[[K], Awaitable[float | None]]
+"""Reconcile one key; returns seconds until it wants to run again (None: only on events)."""
+
+
+class WorkQueue(Generic[K]):
+    def __init__(
+        self,
+        reconcile: Reconciler[K],
+        *,
+        workers: int = 8,
+        backoff_base: float = 0.5,
+        backoff_max: float = 60.0,
+    ) -> None:
+        if workers < 1:
+            raise ValueError(f"workers must be at least 1, got {workers}")
+        self._reconcile = reconcile
+        self.workers = workers
+        self.backoff_base = backoff_base
+        self.backoff_max = backoff_max
+        self._queue: asyncio.Queue[K] = asyncio.Queue()
+        self._dirty: set[K] = set()
+        self._processing: set[K] = set()
+        self._timers: dict[K, tuple[float, asyncio.TimerHandle]] = {}
+        self._failures: dict[K, int] = {}
+        self._tasks: list[asyncio.Task[None]] = []
+
+    # ---- producers ---------------------------------------------------------------------
+    def add(self, key: K) -> None:
+        if key in self._dirty:
+            return
+        self._dirty.add(key)
+        if key not in self._processing:
+            self._queue.put_nowait(key)
+
+    def add_after(self, key: K, delay: float) -> None:
+        if delay <= 0:
+            self.add(key)
+            return
+        loop = asyncio.get_running_loop()
+        due = loop.time() + delay
+        existing = self._timers.get(key)
+        if existing is not None:
+            if existing[0] <= due:
+                return
+            existing[1].cancel()
+        self._timers[key] = (due, loop.call_at(due, self._fire, key))
+
+    def forget(self, key: K) -> None:
+        """Drop a key's pending requeue and backoff (the object is gone)."""
+        timer = self._timers.pop(key, None)
+        if timer is not None:
+            timer[1].cancel()
+        self._failures.pop(key, None)
+
+    def _fire(self, key: K) -> None:
+        self._timers.pop(key, None)
+        self.add(key)
+
+    # ---- introspection -----------------------------------------------------------------
+    def __len__(self) -> int:
+        return self._queue.qsize()
+
+    @property
+    def pending_requeues(self) -> int:
+        return len(self._timers)
+
+    # ---- consumers ---------------------------------------------------------------------
+    def start(self) -> None:
+        self._tasks = [asyncio.create_task(self._worker(), name=f"reconcile-worker-{i}") for i in range(self.workers)]
+
+    async def stop(self, grace: float = 10.0) -> None:
+        """Stop taking work and cancel the workers (a reconcile running in a thread finishes
+        there: the caller shuts its executor down after this)."""
+        for _, handle in self._timers.values():
+            handle.cancel()
+        self._timers.clear()
+        for task in self._tasks:
+            task.cancel()
+        if self._tasks:
+            await asyncio.wait(self._tasks, timeout=grace)
+        self._tasks = []
+
+    async def _worker(self) -> None:
+        while True:
+            key = await self._queue.get()
+            self._dirty.discard(key)
+            self._processing.add(key)
+            requeue: float | None
+            try:
+                requeue = await asyncio.shield(self._reconcile(key))
+                self._failures.pop(key, None)
+            except asyncio.CancelledError:
+                self._processing.discard(key)
+                raise
+            except Exception:
+                failures = self._failures[key] = self._failures.get(key, 0) + 1
+                requeue = min(self.backoff_max, self.backoff_base * 2 ** (failures - 1))
+                log.exception("reconcile of %s failed (%d in a row); retrying in %.1fs", key, failures, requeue)
+            finally:
+                self._processing.discard(key)
+                if key in self._dirty:
+                    self._queue.put_nowait(key)
+            if requeue is not None:
+                self.add_after(key, requeue)
