@@ -26,6 +26,7 @@ import asyncio
 import concurrent.futures
 import contextlib
 import copy
+import dataclasses
 import logging
 import os
 import random
@@ -51,6 +52,11 @@ ERROR_EVENT_EVERY = 300.0
 IDENTITY = os.environ.get("BATCHPILOT_IDENTITY") or "batchpilot-operator"
 
 
+def _observe_queue(depth: int, pending: int) -> None:
+    opmetrics.QUEUE_DEPTH.set(depth)
+    opmetrics.REQUEUES_PENDING.set(pending)
+
+
 class Loop:
     """The operator's state: client, caches, informers, work queue, reconcile threads."""
 
@@ -59,7 +65,7 @@ class Loop:
         self.metrics = metrics
         self.caches = caches
         self.executor = concurrent.futures.ThreadPoolExecutor(workers, thread_name_prefix="reconcile")
-        self.queue: WorkQueue[Key] = WorkQueue(self.reconcile, workers=workers)
+        self.queue: WorkQueue[Key] = WorkQueue(self.reconcile, workers=workers, observe=_observe_queue)
         self.informers: list[Any] = []
         self.last_error: dict[Key, tuple[str, float]] = {}
 
@@ -74,7 +80,6 @@ class Loop:
             return None
         loop = asyncio.get_running_loop()
         started = time.perf_counter()
-        opmetrics.QUEUE_DEPTH.set(len(self.queue))
 
         def run() -> controller.ReconcileResult:
             def emit(type_: str, reason: str, message: str) -> None:
@@ -88,7 +93,7 @@ class Loop:
             # A write raced another writer (or our cache was behind): the watch brings the
             # newer object and queues the policy again; retry soon regardless.
             opmetrics.RECONCILE_ERRORS.labels(namespace, name, "Conflict").inc()
-            log.info("%s/%s: retrying shortly: %s", namespace, name, exc)
+            log.info("%s/%s: retrying shortly: %s", namespace, name, str(exc).splitlines()[0])
             return 1.0
         except Exception as exc:
             # Surfaced where on-call looks (an Event on the policy); the queue retries with backoff.
@@ -106,6 +111,25 @@ class Loop:
         if result.writes:
             log.debug("%s/%s: reconcile wrote %d object(s)", namespace, name, result.writes)
         return result.requeue_after
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class _IdentifiedConnection(kopf.ConnectionInfo):
+    """kopf's connection, with a user agent naming this replica (audit logs tell them apart)."""
+
+    user_agent: str = USER_AGENT
+
+    def as_http_headers(self) -> dict[str, str]:
+        return {**super().as_http_headers(), "User-Agent": self.user_agent}
+
+
+@kopf.on.login()
+def login(logger: kopf.Logger, settings: kopf.OperatorSettings, **_: Any) -> kopf.ConnectionInfo | None:
+    info = kopf.login_via_client(logger=logger, settings=settings)
+    if info is None:
+        return None
+    fields = {f.name: getattr(info, f.name) for f in dataclasses.fields(info)}
+    return _IdentifiedConnection(**fields, user_agent=f"{USER_AGENT}/{IDENTITY} kopf")
 
 
 def _loop(memo: kopf.Memo) -> Loop:
@@ -162,7 +186,9 @@ async def shutdown(memo: kopf.Memo, **_: Any) -> None:
     for informer in state.informers:
         informer.stop()
     await state.queue.stop()
-    state.executor.shutdown(wait=True, cancel_futures=True)
+    # Reconciles already running finish their writes before the Lease is released.
+    await asyncio.to_thread(state.executor.shutdown, wait=True, cancel_futures=True)
+    log.info("reconcile loop stopped")
 
 
 @kopf.on.event(GROUP, VERSION, PLURAL)

@@ -67,6 +67,9 @@ LEADER = Gauge(
     ["identity"],
 )
 QUEUE_DEPTH = Gauge("batchpilot_operator_workqueue_depth", "Policies waiting for a reconcile worker")
+REQUEUES_PENDING = Gauge(
+    "batchpilot_operator_requeues_pending", "Policies with a timed requeue pending (planner due times, retries)"
+)
 RECONCILE_SECONDS = Counter(
     "batchpilot_operator_reconcile_seconds_total", "Wall time spent in reconciles (cache reads, analysis, writes)"
 )

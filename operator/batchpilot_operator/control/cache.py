@@ -17,7 +17,6 @@ no reconcile.
 
 from __future__ import annotations
 
-import contextlib
 import json
 import logging
 import random
@@ -200,18 +199,15 @@ class Informer:
         self.page_size = page_size
         self.synced = threading.Event()
         self._stop = threading.Event()
-        self._resp: Any = None
         self._thread = threading.Thread(target=self._run, name=f"informer-{name}", daemon=True)
 
     def start(self) -> None:
         self._thread.start()
 
     def stop(self) -> None:
+        """Stop after the next event or watch timeout (the thread is a daemon: it never holds
+        the process up, and closing its socket from here could block on TLS)."""
         self._stop.set()
-        resp = self._resp
-        if resp is not None:
-            with contextlib.suppress(Exception):  # best effort on shutdown
-                resp.close()
 
     def _run(self) -> None:
         delay = 0.5
@@ -270,7 +266,7 @@ class Informer:
         if version is not None:
             kwargs["resource_version"] = str(version)
         started = time.monotonic()
-        self._resp = resp = self.list_fn(_preload_content=False, **kwargs)
+        resp = self.list_fn(_preload_content=False, **kwargs)
         try:
             for line in iter_resp_lines(resp):  # type: ignore[no-untyped-call]
                 if self._stop.is_set():
@@ -293,7 +289,6 @@ class Informer:
                     if policy:
                         self.on_change(obj["metadata"].get("namespace") or "", policy)
         finally:
-            self._resp = None
             resp.release_conn()
         if time.monotonic() - started < 1.0 and not self._stop.is_set():
             self._stop.wait(1.0)  # a watch that ends at once must not spin

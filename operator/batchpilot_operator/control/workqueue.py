@@ -32,10 +32,13 @@ class WorkQueue(Generic[K]):
         workers: int = 8,
         backoff_base: float = 0.5,
         backoff_max: float = 60.0,
+        observe: Callable[[int, int], None] | None = None,
     ) -> None:
+        """``observe(depth, pending_requeues)`` is called whenever either changes."""
         if workers < 1:
             raise ValueError(f"workers must be at least 1, got {workers}")
         self._reconcile = reconcile
+        self._observe = observe
         self.workers = workers
         self.backoff_base = backoff_base
         self.backoff_max = backoff_max
@@ -53,6 +56,7 @@ class WorkQueue(Generic[K]):
         self._dirty.add(key)
         if key not in self._processing:
             self._queue.put_nowait(key)
+        self._observed()
 
     def add_after(self, key: K, delay: float) -> None:
         if delay <= 0:
@@ -66,6 +70,7 @@ class WorkQueue(Generic[K]):
                 return
             existing[1].cancel()
         self._timers[key] = (due, loop.call_at(due, self._fire, key))
+        self._observed()
 
     def forget(self, key: K) -> None:
         """Drop a key's pending requeue and backoff (the object is gone)."""
@@ -73,6 +78,11 @@ class WorkQueue(Generic[K]):
         if timer is not None:
             timer[1].cancel()
         self._failures.pop(key, None)
+        self._observed()
+
+    def _observed(self) -> None:
+        if self._observe is not None:
+            self._observe(self._queue.qsize(), len(self._timers))
 
     def _fire(self, key: K) -> None:
         self._timers.pop(key, None)
@@ -105,6 +115,7 @@ class WorkQueue(Generic[K]):
     async def _worker(self) -> None:
         while True:
             key = await self._queue.get()
+            self._observed()
             self._dirty.discard(key)
             self._processing.add(key)
             requeue: float | None

@@ -155,7 +155,15 @@ current-context: local
     )
 
 
-def gpu_node_manifest(name: str, gpus: int = 8) -> str:
+AUDIT_POLICY = """apiVersion: audit.k8s.io/v1
+kind: Policy
+omitStages: [RequestReceived]
+rules:
+  - level: Metadata
+"""
+
+
+def gpu_node_manifest(name: str, gpus: int = 8, pods: int = 110) -> str:
     return f"""apiVersion: v1
 kind: Node
 metadata:
@@ -170,8 +178,8 @@ metadata:
     type: kwok
     nvidia.com/gpu.present: "true"
 status:
-  allocatable: {{cpu: "64", memory: 512Gi, pods: "110", nvidia.com/gpu: "{gpus}"}}
-  capacity: {{cpu: "64", memory: 512Gi, pods: "110", nvidia.com/gpu: "{gpus}"}}
+  allocatable: {{cpu: "64", memory: 512Gi, pods: "{pods}", nvidia.com/gpu: "{gpus}"}}
+  capacity: {{cpu: "64", memory: 512Gi, pods: "{pods}", nvidia.com/gpu: "{gpus}"}}
 """
 
 
@@ -186,7 +194,19 @@ class LocalCluster:
 
     # ---- lifecycle -------------------------------------------------------------------
     @classmethod
-    def start(cls, workdir: Path, gpu_nodes: int = 2, timeout: float = 120.0) -> LocalCluster:
+    def start(
+        cls,
+        workdir: Path,
+        gpu_nodes: int = 2,
+        timeout: float = 120.0,
+        *,
+        audit: bool = False,
+        pods_per_node: int = 110,
+        pod_cidr: str = "10.0.0.1/24",
+    ) -> LocalCluster:
+        """``audit``: the apiserver writes an audit log (metadata of every request: user agent,
+        verb, resource, namespace) to :attr:`audit_log`, to count a client's requests.
+        ``pods_per_node``/``pod_cidr``: room for many fake pods (benchmarks)."""
         directory = ensure_binaries()
         t0 = time.monotonic()
         workdir = workdir.resolve()
@@ -201,6 +221,18 @@ class LocalCluster:
         kubeconfig = workdir / "kubeconfig"
         write_kubeconfig(kubeconfig, server, pki / "ca.crt", ADMIN_TOKEN)
         cluster = cls(workdir=workdir, server=server, kubeconfig=kubeconfig, bin_dir=directory)
+        audit_args: list[str] = []
+        if audit:
+            (workdir / "audit-policy.yaml").write_text(AUDIT_POLICY)
+            audit_args = [
+                f"--audit-policy-file={workdir / 'audit-policy.yaml'}",
+                f"--audit-log-path={cluster.audit_log}",
+                "--audit-log-format=json",
+                "--audit-log-maxsize=500",
+                "--audit-log-maxbackup=1",
+                "--audit-log-mode=batch",
+                "--audit-log-batch-max-wait=1s",
+            ]
         try:
             cluster._spawn(
                 "etcd",
@@ -239,6 +271,7 @@ class LocalCluster:
                     "--disable-admission-plugins=ServiceAccount",
                     "--endpoint-reconciler-type=none",
                     "--v=1",
+                    *audit_args,
                 ],
             )
             cluster.wait_ready(timeout)
@@ -271,13 +304,13 @@ class LocalCluster:
                     "--manage-nodes-with-annotation-selector=kwok.x-k8s.io/node=fake",
                     "--manage-nodes-with-label-selector=",
                     "--disregard-status-with-annotation-selector=kwok.x-k8s.io/status=custom",
-                    "--cidr=10.0.0.1/24",
+                    f"--cidr={pod_cidr}",
                     "--node-ip=10.0.0.1",
                     "--node-lease-duration-seconds=40",
                     f"--server-address=127.0.0.1:{free_port()}",
                 ],
             )
-            nodes = "---\n".join(gpu_node_manifest(f"gpu-node-{i}") for i in range(gpu_nodes))
+            nodes = "---\n".join(gpu_node_manifest(f"gpu-node-{i}", pods=pods_per_node) for i in range(gpu_nodes))
             cluster.kubectl("apply", "-f", "-", input=nodes)
             cluster.wait_for(
                 lambda: (
@@ -299,6 +332,10 @@ class LocalCluster:
             raise
         cluster.started_in = time.monotonic() - t0
         return cluster
+
+    @property
+    def audit_log(self) -> Path:
+        return self.workdir / "audit.log"
 
     def _spawn(self, name: str, args: list[str]) -> None:
         log = (self.workdir / "logs" / f"{name}.log").open("wb")
