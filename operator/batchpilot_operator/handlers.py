@@ -36,11 +36,11 @@ from typing import Any
 import kopf
 
 from batchpilot_operator import controller, opmetrics
-from batchpilot_operator.control.cache import Caches, Key, child_informers
+from batchpilot_operator.control.cache import CHILD_KINDS, Caches, Key, child_informers
 from batchpilot_operator.control.workqueue import WorkQueue
 from batchpilot_operator.kube import USER_AGENT, Kube, TransientKubeError, api_client
 from batchpilot_operator.prom import PrometheusBackend
-from batchpilot_operator.spec import GROUP, KIND, PLURAL, VERSION
+from batchpilot_operator.spec import API_VERSION, GROUP, KIND, PLURAL, VERSION
 
 log = logging.getLogger("batchpilot")
 RESYNC_SECONDS = float(os.environ.get("BATCHPILOT_RESYNC_SECONDS", "600"))
@@ -142,26 +142,33 @@ async def configure(settings: kopf.OperatorSettings, memo: kopf.Memo, **_: Any) 
     settings.persistence.finalizer = "batchpilot.dev/finalizer"
     settings.posting.level = logging.INFO
     settings.watching.server_timeout = 300
+    started = time.monotonic()
     kubeconfig = os.environ.get("BATCHPILOT_KUBECONFIG") or None
     user_agent = f"{USER_AGENT}/{IDENTITY}"
-    kube = Kube.connect(kubeconfig, user_agent)
     caches = Caches(KIND)
+    aio = asyncio.get_running_loop()
+    ready: list[Loop] = []
+
+    def on_child_change(namespace: str, policy: str) -> None:  # informer threads
+        # Before the queue exists nothing is lost: kopf's first listing queues every policy.
+        if ready:
+            aio.call_soon_threadsafe(ready[0].queue.add, (namespace, policy))
+
+    namespaces = [ns for ns in os.environ.get("BATCHPILOT_NAMESPACES", "").split(",") if ns]
+    # The informers' long watches get a connection pool of their own; they list while the
+    # writing client below resolves its API resources.
+    informers = child_informers(caches, api_client(kubeconfig, user_agent), namespaces, on_child_change)
+    for informer in informers:
+        informer.start()
+    kube = await asyncio.to_thread(_connect, kubeconfig, user_agent)
     kube.observer = caches
     metrics = PrometheusBackend(
         os.environ.get("BATCHPILOT_PROMETHEUS_URL", "http://prometheus-operated.monitoring:9090"),
         timeout=float(os.environ.get("BATCHPILOT_PROMETHEUS_TIMEOUT", "5")),
     )
     state = memo["loop"] = Loop(kube, metrics, caches, WORKERS)
-    aio = asyncio.get_running_loop()
-
-    def on_child_change(namespace: str, policy: str) -> None:  # informer threads
-        aio.call_soon_threadsafe(state.queue.add, (namespace, policy))
-
-    namespaces = [ns for ns in os.environ.get("BATCHPILOT_NAMESPACES", "").split(",") if ns]
-    # The informers' long watches get a connection pool of their own.
-    state.informers = child_informers(caches, api_client(kubeconfig, user_agent), namespaces, on_child_change)
-    for informer in state.informers:
-        informer.start()
+    state.informers = informers
+    ready.append(state)
     # Like controller-runtime, reconcile only once the caches hold what the API holds:
     # a reconcile on an empty cache would take existing children for missing ones.
     deadline = time.monotonic() + CACHE_SYNC_TIMEOUT
@@ -170,12 +177,20 @@ async def configure(settings: kopf.OperatorSettings, memo: kopf.Memo, **_: Any) 
         if not await asyncio.to_thread(informer.synced.wait, left):
             raise kopf.PermanentError(f"cache of {informer.name} not synced after {CACHE_SYNC_TIMEOUT:.0f}s")
     log.info(
-        "caches synced: %s; %d reconcile workers; safety resync %s",
+        "caches synced in %.1fs: %s; %d reconcile workers; safety resync %s",
+        time.monotonic() - started,
         ", ".join(f"{kind} {len(cache)}" for kind, cache in caches.by_kind.items() if kind != KIND),
         WORKERS,
         f"every {RESYNC_SECONDS:g}s" if RESYNC_SECONDS > 0 else "off",
     )
     state.queue.start()
+
+
+def _connect(kubeconfig: str | None, user_agent: str) -> Kube:
+    kube = Kube.connect(kubeconfig, user_agent)
+    for kind, api_version in (*CHILD_KINDS.items(), ("Event", "v1"), (KIND, API_VERSION)):
+        kube.resource(api_version, kind)  # discovery now, not in the first reconcile
+    return kube
 
 
 @kopf.on.cleanup()
@@ -208,7 +223,14 @@ async def on_event(event: kopf.RawEvent, memo: kopf.Memo, type: str | None, **_:
         state.queue.add(key)
 
 
-@kopf.timer(GROUP, VERSION, PLURAL, interval=RESYNC_SECONDS if RESYNC_SECONDS > 0 else 2.0**30, sharp=False)
+@kopf.timer(
+    GROUP,
+    VERSION,
+    PLURAL,
+    interval=RESYNC_SECONDS if RESYNC_SECONDS > 0 else 2.0**30,
+    initial_delay=RESYNC_SECONDS if RESYNC_SECONDS > 0 else 2.0**30,
+    sharp=False,
+)
 async def resync(body: kopf.Body, memo: kopf.Memo, **_: Any) -> None:
     if RESYNC_SECONDS <= 0:
         return

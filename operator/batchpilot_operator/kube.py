@@ -85,6 +85,10 @@ class Kube:
     def connect(cls, kubeconfig: str | None = None, user_agent: str = USER_AGENT) -> Kube:
         return cls(dynamic.DynamicClient(api_client(kubeconfig, user_agent)))
 
+    def resource(self, api_version: str, kind: str) -> Any:
+        """The API resource of a kind (discovered once, then cached by the client)."""
+        return self._resource(api_version, kind)
+
     def _resource(self, api_version: str, kind: str) -> Any:
         return self.dyn.resources.get(api_version=api_version, kind=kind)
 

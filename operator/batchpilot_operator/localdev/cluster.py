@@ -203,10 +203,12 @@ class LocalCluster:
         audit: bool = False,
         pods_per_node: int = 110,
         pod_cidr: str = "10.0.0.1/24",
+        controller_qps: int | None = None,
     ) -> LocalCluster:
         """``audit``: the apiserver writes an audit log (metadata of every request: user agent,
         verb, resource, namespace) to :attr:`audit_log`, to count a client's requests.
-        ``pods_per_node``/``pod_cidr``: room for many fake pods (benchmarks)."""
+        ``pods_per_node``/``pod_cidr``: room for many fake pods; ``controller_qps``: the
+        controller-manager's and scheduler's client rate limit (benchmarks with 1000s of pods)."""
         directory = ensure_binaries()
         t0 = time.monotonic()
         workdir = workdir.resolve()
@@ -294,6 +296,11 @@ class LocalCluster:
                         "--bind-address=127.0.0.1",
                         "--secure-port=0",
                         *extra,
+                        *(
+                            [f"--kube-api-qps={controller_qps}", f"--kube-api-burst={2 * controller_qps}"]
+                            if controller_qps
+                            else []
+                        ),
                     ],
                 )
             cluster._spawn(
