@@ -82,7 +82,7 @@ def policy(name: str) -> dict[str, Any]:
         "spec": {
             "model": {"name": "mlp", "image": "runtime:dev", "source": "builtin:mlp"},
             "replicas": 1,
-            "resources": {"gpus": 0},
+            "resources": {"gpus": 0, "cpu": "100m", "memory": "128Mi"},
             "lanes": lanes(2),
             "slo": {"p99Latency": "50ms", "maxQueueAge": "10ms"},
             "rollout": {
@@ -202,6 +202,8 @@ class Watcher:
                             )
                         self.changed.notify_all()
             except Exception as exc:  # keep watching
+                if self.stop.is_set():
+                    return
                 print(f"[bench] watch: {exc}", file=sys.stderr)
                 time.sleep(1)
 
@@ -384,6 +386,8 @@ class Bench:
             if n in args.failover:
                 self.result["failover"] = self.failover(cluster, a, b, canaries, names[2 * args.changes + k])
         finally:
+            if hasattr(self, "w"):
+                self.w.stop.set()
             for op in ops:
                 op.stop()
             if prom is not None:
@@ -500,7 +504,7 @@ def main() -> int:
     p.add_argument("--failover", type=int, nargs="*", default=None, help="N values with a failover (default: all)")
     p.add_argument("--idle-seconds", type=float, default=60.0)
     p.add_argument("--changes", type=int, default=20)
-    p.add_argument("--workers", type=int, default=8)
+    p.add_argument("--workers", type=int, default=16)
     p.add_argument("--timeout", type=float, default=900.0, help="bound on each wait for all policies")
     p.add_argument("--workdir", type=Path, default=None)
     p.add_argument("--out", type=Path)

@@ -8,7 +8,7 @@ The loop (controller-runtime's shape, see ``control/``):
 * Informers list+watch Deployments, ConfigMaps and Services carrying ``batchpilot.dev/policy``
   into caches; a child's change queues the policy its label names. A child deleted by hand
   is re-created by the reconcile its DELETED event queues.
-* Workers (``BATCHPILOT_WORKERS``, default 8) reconcile one policy each, reading the caches
+* Workers (``BATCHPILOT_WORKERS``, default 16) reconcile one policy each, reading the caches
   only (no GET or LIST), and queue it again after the planner's ``requeue_after``.
 * A slow, jittered safety resync (``--resync`` seconds, default 600; 0 disables it) is the
   only periodic work; it reads the caches, so an idle policy costs no API request.
@@ -45,7 +45,7 @@ from batchpilot_operator.spec import API_VERSION, GROUP, KIND, PLURAL, VERSION
 log = logging.getLogger("batchpilot")
 RESYNC_SECONDS = float(os.environ.get("BATCHPILOT_RESYNC_SECONDS", "600"))
 """Safety resync of every policy (jittered by up to 10%); 0 disables it."""
-WORKERS = int(os.environ.get("BATCHPILOT_WORKERS", "8"))
+WORKERS = int(os.environ.get("BATCHPILOT_WORKERS", "16"))
 CACHE_SYNC_TIMEOUT = 120.0
 ERROR_EVENT_EVERY = 300.0
 """A reconcile error that repeats unchanged is posted as an Event at most this often."""
@@ -220,7 +220,9 @@ async def on_event(event: kopf.RawEvent, memo: kopf.Memo, type: str | None, **_:
         opmetrics.forget(*key)
         return
     if state.caches.policies.observe(type or "ADDED", obj):
-        state.queue.add(key)
+        # A spec change not yet acted on jumps the routine work (resyncs, a take-over's listing).
+        pending = meta.get("generation") != (obj.get("status") or {}).get("observedGeneration")
+        state.queue.add(key, urgent=pending)
 
 
 @kopf.timer(

@@ -22,6 +22,7 @@ from datetime import UTC, datetime
 from typing import Any, Protocol
 
 from kubernetes import client, config, dynamic
+from kubernetes.client import rest
 from kubernetes.client.exceptions import ApiException
 from kubernetes.dynamic.exceptions import ConflictError, NotFoundError, UnprocessibleEntityError
 
@@ -56,6 +57,10 @@ def api_client(kubeconfig: str | None = None, user_agent: str = USER_AGENT) -> c
             config.load_kube_config()
         result = client.ApiClient()
     assert isinstance(result, client.ApiClient)
+    # Reconcile threads (16 by default) and informers share the pool: room for all of them,
+    # so no TLS connection is set up per request.
+    result.configuration.connection_pool_maxsize = 32
+    result.rest_client = rest.RESTClientObject(result.configuration)
     result.user_agent = user_agent
     _count_requests(result)
     return result

@@ -90,6 +90,30 @@ def test_a_slow_key_holds_one_worker_not_the_others() -> None:
     assert done[-1] == "slow"
 
 
+def test_urgent_keys_go_before_routine_work() -> None:
+    async def main() -> list[str]:
+        done: list[str] = []
+        finished = asyncio.Event()
+
+        async def reconcile(key: str) -> float | None:
+            done.append(key)
+            if len(done) == 5:
+                finished.set()
+            return None
+
+        q: WorkQueue[str] = WorkQueue(reconcile, workers=1)
+        for i in range(4):
+            q.add(f"k{i}")
+        q.add("change", urgent=True)
+        q.add("k3", urgent=True)  # already queued: moves ahead
+        q.start()
+        await finished.wait()
+        await q.stop()
+        return done
+
+    assert run(main()) == ["change", "k3", "k0", "k1", "k2"]
+
+
 def test_requeue_after_keeps_the_earliest_due_time() -> None:
     async def main() -> list[tuple[str, float]]:
         loop = asyncio.get_running_loop()

@@ -39,7 +39,7 @@ def register(sub: Any) -> None:
         help="seconds between safety resyncs of each policy (default 600, jittered; 0: off). "
         "Reconciles are driven by watch events and the planner's requeue; a resync reads only caches",
     )
-    p.add_argument("--workers", type=int, help="concurrent reconciles (default 8)")
+    p.add_argument("--workers", type=int, help="concurrent reconciles (default 16; they mostly wait on the API)")
     p.add_argument("--leader-elect", action="store_true", help="run only while holding the leader Lease")
     p.add_argument(
         "--leader-election-namespace",

@@ -5,6 +5,9 @@
 * Per-key serialization: a key is never reconciled by two workers at once.
 * Bounded concurrency and fairness: ``workers`` reconciles at a time, first queued first
   served, so one policy waiting on a slow Prometheus holds one worker, not the others.
+* Urgency: ``add(key, urgent=True)`` (a spec change nobody has acted on yet) goes before
+  the routine work, so a change applied during a take-over's 1,000 initial reconciles is not
+  served last.
 * Requeue: :meth:`WorkQueue.add_after` (the planner's ``requeue_after``); the earliest due
   time per key wins. A reconcile that raises is retried with a per-key exponential backoff.
 """
@@ -12,6 +15,7 @@
 from __future__ import annotations
 
 import asyncio
+import collections
 import logging
 from collections.abc import Awaitable, Callable, Hashable
 from typing import Generic, TypeVar
@@ -42,7 +46,9 @@ class WorkQueue(Generic[K]):
         self.workers = workers
         self.backoff_base = backoff_base
         self.backoff_max = backoff_max
-        self._queue: asyncio.Queue[K] = asyncio.Queue()
+        self._tokens: asyncio.Queue[None] = asyncio.Queue()  # one token per queued key
+        self._normal: collections.deque[K] = collections.deque()
+        self._urgent: collections.deque[K] = collections.deque()
         self._dirty: set[K] = set()
         self._processing: set[K] = set()
         self._timers: dict[K, tuple[float, asyncio.TimerHandle]] = {}
@@ -50,13 +56,20 @@ class WorkQueue(Generic[K]):
         self._tasks: list[asyncio.Task[None]] = []
 
     # ---- producers ---------------------------------------------------------------------
-    def add(self, key: K) -> None:
+    def add(self, key: K, urgent: bool = False) -> None:
         if key in self._dirty:
+            if urgent and key in self._normal:
+                self._normal.remove(key)
+                self._urgent.append(key)
             return
         self._dirty.add(key)
         if key not in self._processing:
-            self._queue.put_nowait(key)
+            self._push(key, urgent)
         self._observed()
+
+    def _push(self, key: K, urgent: bool) -> None:
+        (self._urgent if urgent else self._normal).append(key)
+        self._tokens.put_nowait(None)
 
     def add_after(self, key: K, delay: float) -> None:
         if delay <= 0:
@@ -82,7 +95,7 @@ class WorkQueue(Generic[K]):
 
     def _observed(self) -> None:
         if self._observe is not None:
-            self._observe(self._queue.qsize(), len(self._timers))
+            self._observe(self._tokens.qsize(), len(self._timers))
 
     def _fire(self, key: K) -> None:
         self._timers.pop(key, None)
@@ -90,7 +103,7 @@ class WorkQueue(Generic[K]):
 
     # ---- introspection -----------------------------------------------------------------
     def __len__(self) -> int:
-        return self._queue.qsize()
+        return self._tokens.qsize()
 
     @property
     def pending_requeues(self) -> int:
@@ -114,7 +127,8 @@ class WorkQueue(Generic[K]):
 
     async def _worker(self) -> None:
         while True:
-            key = await self._queue.get()
+            await self._tokens.get()
+            key = self._urgent.popleft() if self._urgent else self._normal.popleft()
             self._observed()
             self._dirty.discard(key)
             self._processing.add(key)
@@ -132,6 +146,6 @@ class WorkQueue(Generic[K]):
             finally:
                 self._processing.discard(key)
                 if key in self._dirty:
-                    self._queue.put_nowait(key)
+                    self._push(key, False)
             if requeue is not None:
                 self.add_after(key, requeue)
