@@ -259,6 +259,36 @@ def audit(cluster: LocalCluster, since: datetime, until: datetime) -> dict[str, 
     return out
 
 
+def apply_breakdown(cluster: LocalCluster, leader: str) -> dict[str, Any]:
+    """From the audit log: when the operator created the last stable Deployment (measured from
+    the bench's first policy create), and the apiserver's latency for its writes."""
+    first: datetime | None = None
+    last: datetime | None = None
+    latency: dict[str, list[float]] = {}
+    with cluster.audit_log.open(errors="replace") as f:
+        for line in f:
+            e = json.loads(line)
+            if e.get("stage") != "ResponseComplete":
+                continue
+            ua, ref = e.get("userAgent", ""), e.get("objectRef") or {}
+            t = datetime.fromisoformat(e["requestReceivedTimestamp"].replace("Z", "+00:00"))
+            if ua == "bench" and e["verb"] == "create" and first is None:
+                first = t
+            if not ua.startswith(f"batchpilot-operator/{leader}") or e["verb"] not in WRITE_VERBS:
+                continue
+            done = datetime.fromisoformat(e["stageTimestamp"].replace("Z", "+00:00"))
+            latency.setdefault(f"{e['verb']} {ref.get('resource')}", []).append((done - t).total_seconds())
+            created = (e.get("responseStatus") or {}).get("code") == 201
+            if ref.get("resource") == "deployments" and str(ref.get("name", "")).endswith("-stable") and created:
+                last = t
+    return {
+        "first_create_to_last_stable_deployment_s": round((last - first).total_seconds(), 2)
+        if first and last
+        else None,
+        "operator_write_latency_p50_p99_s": {k: [pct(v, 50), pct(v, 99), len(v)] for k, v in sorted(latency.items())},
+    }
+
+
 def summary(counts: Counter[str], seconds: float) -> dict[str, Any]:
     total = sum(counts.values())
     return {
@@ -351,6 +381,7 @@ class Bench:
                 "loadavg_after": loadavg(),
                 "leader_cpu_s": round(a.cpu_seconds(), 2),
             }
+            self.result["apply"].update(apply_breakdown(cluster, a.identity))
             print(f"[bench] N={n}: {self.result['apply']}", file=sys.stderr)
 
             # ---- idle
