@@ -166,8 +166,13 @@ def execute(
     }
     needed = [decision.stable_revision] + ([decision.canary_revision] if decision.canary_revision else [])
     for revision in needed:
+        if revision in configmaps:
+            # Immutable and named by its content hash: an existing one is final. (Rebuilt from
+            # the current spec, the stable revision's ConfigMap would differ mid-canary, and
+            # applying it would only be refused, once per reconcile.)
+            continue
         manifest = children.build_configmap(name, namespace, uid, spec, revision)
-        writes += kube.apply(manifest, configmaps.get(revision))
+        writes += kube.apply(manifest, None)
 
     writes += kube.apply(
         children.build_deployment(
