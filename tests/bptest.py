@@ -27,6 +27,8 @@ class Kube:
     kubeconfig: Path
     kubectl_bin: str
     external: bool
+    audit_log: Path | None = None
+    """The apiserver's audit log (JSON lines), when the cluster under test writes one."""
 
     def kubectl(self, *args: str, input: str | None = None, check: bool = True) -> subprocess.CompletedProcess[str]:
         result = subprocess.run(
@@ -180,7 +182,13 @@ class OperatorProcess:
 
 
 def start_operator(
-    kube: Kube, namespace: str, log_dir: Path, prometheus_url: str, resync: float = 1.0
+    kube: Kube,
+    namespace: str,
+    log_dir: Path,
+    prometheus_url: str,
+    resync: float = 1.0,
+    extra_args: tuple[str, ...] = (),
+    env: dict[str, str] | None = None,
 ) -> OperatorProcess:
     import os
     import sys
@@ -199,10 +207,11 @@ def start_operator(
             f"--metrics-port={port}",
             "--health-port=0",
             f"--resync={resync}",
+            *extra_args,
         ],
         stdout=log_path.open("wb"),
         stderr=subprocess.STDOUT,
-        env={**os.environ, "PYTHONUNBUFFERED": "1"},
+        env={**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})},
     )
     op = OperatorProcess(proc, port, log_path)
 

@@ -30,10 +30,10 @@ def kube(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Kube]:
     from batchpilot_operator.localdev.cluster import LocalCluster
 
     workdir = tmp_path_factory.mktemp("cluster")
-    cluster = LocalCluster.start(workdir, gpu_nodes=2)
+    cluster = LocalCluster.start(workdir, gpu_nodes=2, audit=True)
     sys.stderr.write(f"\n[batchpilot] local control plane started in {cluster.started_in:.1f}s\n")
     try:
-        kube = Kube(cluster.kubeconfig, str(cluster.bin_dir / "kubectl"), external=False)
+        kube = Kube(cluster.kubeconfig, str(cluster.bin_dir / "kubectl"), external=False, audit_log=cluster.audit_log)
         kube.apply(CRD.read_text())
         kube.kubectl("wait", "--for=condition=Established", "crd/batchingpolicies.batchpilot.dev", "--timeout=60s")
         yield kube

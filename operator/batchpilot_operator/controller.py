@@ -1,8 +1,10 @@
 """One reconcile of one BatchingPolicy: observe, (maybe) analyse, plan, execute.
 
 The decision is :func:`batchpilot_operator.planner.plan` (pure); this module only gathers
-its inputs from the API and Prometheus and carries out the :class:`Decision`. The kopf
-handlers in ``handlers.py`` call :func:`reconcile` and nothing else.
+its inputs and carries out the :class:`Decision`. The policy's body and its children are
+read from a :class:`ChildReader`: the operator passes its watch-fed caches
+(``control.cache``), so a reconcile issues no GET or LIST; without one it reads the API.
+The kopf handlers in ``handlers.py`` call :func:`reconcile` and nothing else.
 """
 
 from __future__ import annotations
@@ -11,7 +13,7 @@ import logging
 from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import UTC, datetime
-from typing import Any
+from typing import Any, Protocol
 
 from pydantic import ValidationError
 
@@ -36,6 +38,14 @@ log = logging.getLogger(__name__)
 
 EmitEvent = Callable[[str, str, str], None]
 """(type, reason, message) -> None: posts a Kubernetes Event on the policy."""
+
+
+class ChildReader(Protocol):
+    """Where a reconcile reads a policy's children from (the caches, or the API itself)."""
+
+    def get(self, api_version: str, kind: str, namespace: str, name: str) -> Manifest | None: ...
+
+    def list_owned(self, api_version: str, kind: str, namespace: str, policy: str) -> list[Manifest]: ...
 
 
 @dataclass
@@ -81,8 +91,10 @@ def reconcile(
     body: dict[str, Any],
     emit: EmitEvent,
     now: datetime | None = None,
+    reader: ChildReader | None = None,
 ) -> ReconcileResult:
     now = now or datetime.now(UTC)
+    reader = reader or kube
     meta = body["metadata"]
     name, namespace = meta["name"], meta["namespace"]
     if meta.get("deletionTimestamp"):
@@ -100,7 +112,7 @@ def reconcile(
     status = Status.from_dict(body.get("status"))
     status = recommender.refresh(kube, spec, body, status, now, emit)  # spec.tuning; no I/O unless due
     deployments: dict[Track, Manifest | None] = {
-        track: kube.get("apps/v1", "Deployment", namespace, children.deployment_name(name, track))
+        track: reader.get("apps/v1", "Deployment", namespace, children.deployment_name(name, track))
         for track in ("stable", "canary")
     }
     observed = Observed(stable=observe_track(deployments["stable"]), canary=observe_track(deployments["canary"]))
@@ -131,11 +143,16 @@ def reconcile(
             commands=Commands.from_annotations(meta.get("annotations")),
         )
     )
-    writes = execute(kube, body, spec, decision, deployments)
+    writes = execute(kube, body, spec, decision, deployments, reader)
     for event in decision.events:
         emit(event.type, event.reason, event.message)
     opmetrics.record(namespace, name, spec, decision)
-    return ReconcileResult(writes, decision, decision.requeue_after)
+    requeue = decision.requeue_after
+    due = recommender.next_due(decision.status) if spec.tuning is not None else None
+    if due is not None:  # the next spec.tuning recommendation is a due time too
+        until = max(0.0, (due - now).total_seconds())
+        requeue = until if requeue is None else min(requeue, until)
+    return ReconcileResult(writes, decision, requeue)
 
 
 def execute(
@@ -144,18 +161,25 @@ def execute(
     spec: PolicySpec,
     decision: Decision,
     deployments: dict[Track, Manifest | None],
+    reader: ChildReader | None = None,
 ) -> int:
     """Make the children match the decision, then write the status; count the writes."""
     meta = body["metadata"]
     name, namespace, uid = meta["name"], meta["namespace"], meta["uid"]
+    reader = reader or kube
     writes = 0
     configmaps = {
-        cm["metadata"]["labels"].get(LABEL_REVISION): cm for cm in kube.list_owned("v1", "ConfigMap", namespace, name)
+        cm["metadata"]["labels"].get(LABEL_REVISION): cm for cm in reader.list_owned("v1", "ConfigMap", namespace, name)
     }
     needed = [decision.stable_revision] + ([decision.canary_revision] if decision.canary_revision else [])
     for revision in needed:
+        if revision in configmaps:
+            # Immutable and named by its content hash: an existing one is final. (Rebuilt from
+            # the current spec, the stable revision's ConfigMap would differ mid-canary, and
+            # applying it would only be refused, once per reconcile.)
+            continue
         manifest = children.build_configmap(name, namespace, uid, spec, revision)
-        writes += kube.apply(manifest, configmaps.get(revision))
+        writes += kube.apply(manifest, None)
 
     writes += kube.apply(
         children.build_deployment(
@@ -174,7 +198,7 @@ def execute(
         writes += kube.delete("apps/v1", "Deployment", namespace, children.deployment_name(name, "canary"))
 
     service = children.build_service(name, namespace, uid)
-    writes += kube.apply(service, kube.get("v1", "Service", namespace, name))
+    writes += kube.apply(service, reader.get("v1", "Service", namespace, name))
 
     keep = set(decision.keep_revisions) | set(needed)
     for revision, cm in configmaps.items():

@@ -5,6 +5,12 @@ the desired manifest differs from what was last applied (each child carries the 
 desired manifest), so a resync with nothing changed issues no write at all. The policy's
 ``spec`` is never written; its ``status`` is replaced only when it changed, guarded by the
 resourceVersion the decision was made on.
+
+Every write is reported to an optional :class:`WriteObserver` (the watch-fed caches of
+``control.cache``) with the apiserver's answer, so a reconcile that runs before the watch
+delivers the write reads what was written, not the older state. Every request is counted in
+``batchpilot_operator_api_requests_total`` (by verb), and carries the user agent
+``batchpilot-operator/<identity>`` so the apiserver's audit log can tell replicas apart.
 """
 
 from __future__ import annotations
@@ -12,9 +18,11 @@ from __future__ import annotations
 import json
 import logging
 from dataclasses import dataclass
-from typing import Any
+from datetime import UTC, datetime
+from typing import Any, Protocol
 
 from kubernetes import client, config, dynamic
+from kubernetes.client import rest
 from kubernetes.client.exceptions import ApiException
 from kubernetes.dynamic.exceptions import ConflictError, NotFoundError, UnprocessibleEntityError
 
@@ -28,21 +36,63 @@ class TransientKubeError(RuntimeError):
     """A write lost a race or the API hiccupped: retry on the next reconcile."""
 
 
+class WriteObserver(Protocol):
+    def wrote(self, obj: Manifest) -> None: ...
+
+    def deleted(self, api_version: str, kind: str, namespace: str, name: str) -> None: ...
+
+
+USER_AGENT = "batchpilot-operator"
+
+
+def api_client(kubeconfig: str | None = None, user_agent: str = USER_AGENT) -> client.ApiClient:
+    """A client of the configured cluster (kubeconfig, else in-cluster, else ~/.kube/config)
+    whose requests are counted and carry ``user_agent``."""
+    if kubeconfig:
+        result = config.new_client_from_config(config_file=kubeconfig)
+    else:
+        try:
+            config.load_incluster_config()
+        except config.ConfigException:
+            config.load_kube_config()
+        result = client.ApiClient()
+    assert isinstance(result, client.ApiClient)
+    # Reconcile threads (16 by default) and informers share the pool: room for all of them,
+    # so no TLS connection is set up per request.
+    result.configuration.connection_pool_maxsize = 32
+    result.rest_client = rest.RESTClientObject(result.configuration)
+    result.user_agent = user_agent
+    _count_requests(result)
+    return result
+
+
+def _count_requests(api: client.ApiClient) -> None:
+    from batchpilot_operator import opmetrics
+
+    rest = api.rest_client
+    request = rest.request
+
+    def counted(method: str, url: str, *args: Any, **kwargs: Any) -> Any:
+        query = kwargs.get("query_params") or []
+        watch = any(k == "watch" and str(v).lower() == "true" for k, v in query)
+        opmetrics.API_REQUESTS.labels("WATCH" if watch else method.upper()).inc()
+        return request(method, url, *args, **kwargs)
+
+    rest.request = counted  # type: ignore[method-assign]
+
+
 @dataclass
 class Kube:
     dyn: dynamic.DynamicClient
+    observer: WriteObserver | None = None
 
     @classmethod
-    def connect(cls, kubeconfig: str | None = None) -> Kube:
-        if kubeconfig:
-            api_client = config.new_client_from_config(config_file=kubeconfig)
-        else:
-            try:
-                config.load_incluster_config()
-            except config.ConfigException:
-                config.load_kube_config()
-            api_client = client.ApiClient()
-        return cls(dynamic.DynamicClient(api_client))
+    def connect(cls, kubeconfig: str | None = None, user_agent: str = USER_AGENT) -> Kube:
+        return cls(dynamic.DynamicClient(api_client(kubeconfig, user_agent)))
+
+    def resource(self, api_version: str, kind: str) -> Any:
+        """The API resource of a kind (discovered once, then cached by the client)."""
+        return self._resource(api_version, kind)
 
     def _resource(self, api_version: str, kind: str) -> Any:
         return self.dyn.resources.get(api_version=api_version, kind=kind)
@@ -68,7 +118,7 @@ class Kube:
             return False
         resource = self._resource(manifest["apiVersion"], manifest["kind"])
         try:
-            self.dyn.server_side_apply(
+            written = self.dyn.server_side_apply(
                 resource,
                 body=manifest,
                 namespace=manifest["metadata"]["namespace"],
@@ -83,6 +133,8 @@ class Kube:
             raise exc
         except (ConflictError, ApiException) as exc:
             raise TransientKubeError(f"applying {manifest['kind']} {manifest['metadata']['name']}: {exc}") from exc
+        if self.observer is not None:
+            self.observer.wrote(written.to_dict())
         return True
 
     def delete(self, api_version: str, kind: str, namespace: str, name: str) -> bool:
@@ -91,10 +143,22 @@ class Kube:
                 name=name, namespace=namespace, body={"propagationPolicy": "Background"}
             )
         except NotFoundError:
+            if self.observer is not None:
+                self.observer.deleted(api_version, kind, namespace, name)
             return False
+        if self.observer is not None:
+            self.observer.deleted(api_version, kind, namespace, name)
         return True
 
-    def replace_status(self, namespace: str, name: str, resource_version: str, status: dict[str, Any]) -> None:
+    def post_event(self, involved: Manifest, type_: str, reason: str, message: str, instance: str) -> None:
+        """Post an Event; a failure is logged, never raised (Events are best effort)."""
+        body = event_manifest(involved, type_, reason, message, datetime.now(UTC), instance)
+        try:
+            self._resource("v1", "Event").create(body=body, namespace=body["metadata"]["namespace"])
+        except Exception as exc:  # an Event must never fail a reconcile
+            log.warning("could not post Event %s on %s: %s", reason, involved["metadata"]["name"], exc)
+
+    def replace_status(self, namespace: str, name: str, resource_version: str, status: dict[str, Any]) -> Manifest:
         """Replace the policy's whole status, only if the object is still at ``resource_version``."""
         resource = self._resource(API_VERSION, KIND)
         patch = [
@@ -102,11 +166,42 @@ class Kube:
             {"op": "add", "path": "/status", "value": status},
         ]
         try:
-            resource.status.patch(
+            written = resource.status.patch(
                 body=patch, name=name, namespace=namespace, content_type="application/json-patch+json"
             )
         except (ConflictError, UnprocessibleEntityError, ApiException) as exc:
             raise TransientKubeError(f"status of {namespace}/{name} changed underneath: {exc}") from exc
+        result: Manifest = written.to_dict()
+        if self.observer is not None:
+            self.observer.wrote(result)
+        return result
+
+
+def event_manifest(involved: Manifest, type_: str, reason: str, message: str, now: datetime, instance: str) -> Manifest:
+    """A core/v1 Event on ``involved`` (what ``kubectl describe`` and ``get events`` show)."""
+    meta = involved["metadata"]
+    stamp = now.strftime("%Y-%m-%dT%H:%M:%SZ")
+    return {
+        "apiVersion": "v1",
+        "kind": "Event",
+        "metadata": {"generateName": f"{meta['name']}.", "namespace": meta["namespace"]},
+        "involvedObject": {
+            "apiVersion": involved.get("apiVersion", API_VERSION),
+            "kind": involved.get("kind", KIND),
+            "name": meta["name"],
+            "namespace": meta["namespace"],
+            "uid": meta.get("uid"),
+        },
+        "type": type_,
+        "reason": reason,
+        "message": message[:1024],
+        "source": {"component": "batchpilot"},
+        "reportingComponent": "batchpilot",
+        "reportingInstance": instance,
+        "firstTimestamp": stamp,
+        "lastTimestamp": stamp,
+        "count": 1,
+    }
 
 
 def same_json(a: Any, b: Any) -> bool:

@@ -62,6 +62,23 @@ SETTINGS_STALE = Gauge(
     "(BreachAtCurrentTraffic, BreachAtPlannedGrowth, MoreCapacityAvailable); set by recommender.py",
     ["namespace", "policy", "lane", "reason"],
 )
+API_REQUESTS = Counter(
+    "batchpilot_operator_api_requests_total",
+    "Requests this process's Kubernetes client sent (reconcile writes, informers, leader election), by verb",
+    ["verb"],
+)
+LEADER = Gauge(
+    "batchpilot_operator_leader",
+    "1 while this replica holds the leader Lease (or runs without leader election), else 0",
+    ["identity"],
+)
+QUEUE_DEPTH = Gauge("batchpilot_operator_workqueue_depth", "Policies waiting for a reconcile worker")
+REQUEUES_PENDING = Gauge(
+    "batchpilot_operator_requeues_pending", "Policies with a timed requeue pending (planner due times, retries)"
+)
+RECONCILE_SECONDS = Counter(
+    "batchpilot_operator_reconcile_seconds_total", "Wall time spent in reconciles (cache reads, analysis, writes)"
+)
 PHASES = ("Pending", "Progressing", "Paused", "Healthy", "RolledBack", "Degraded")
 
 

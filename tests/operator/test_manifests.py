@@ -170,6 +170,39 @@ def test_rbac_is_least_privilege() -> None:
     assert binding["roleRef"]["name"] == role["metadata"]["name"]
 
 
+def test_two_replicas_elect_a_leader_with_exactly_the_lease_verbs() -> None:
+    docs = render("base")
+    (dep,) = of_kind(docs, "Deployment")
+    assert dep["spec"]["replicas"] == 2
+    (c,) = dep["spec"]["template"]["spec"]["containers"]
+    assert "--leader-elect" in c["args"]
+    env = {e["name"]: e.get("valueFrom", {}).get("fieldRef", {}).get("fieldPath") for e in c["env"]}
+    assert env["POD_NAMESPACE"] == "metadata.namespace"
+    (role,) = of_kind(docs, "Role")
+    assert role["metadata"]["namespace"] == "batchpilot-system"
+    granted = {
+        (g, r, v, tuple(rule.get("resourceNames", ())))
+        for rule in role["rules"]
+        for g in rule["apiGroups"]
+        for r in rule["resources"]
+        for v in rule["verbs"]
+    }
+    assert granted == {
+        ("coordination.k8s.io", "leases", "create", ()),
+        ("coordination.k8s.io", "leases", "get", ("batchpilot-operator",)),
+        ("coordination.k8s.io", "leases", "update", ("batchpilot-operator",)),
+    }
+    (binding,) = of_kind(docs, "RoleBinding")
+    assert binding["roleRef"] == {
+        "apiGroup": "rbac.authorization.k8s.io",
+        "kind": "Role",
+        "name": role["metadata"]["name"],
+    }
+    assert binding["subjects"] == [
+        {"kind": "ServiceAccount", "name": "batchpilot-operator", "namespace": "batchpilot-system"}
+    ]
+
+
 def test_sync_waves_put_the_crd_first() -> None:
     def wave(d: dict[str, Any]) -> int:
         return int((d["metadata"].get("annotations") or {}).get("argocd.argoproj.io/sync-wave", "0"))
@@ -290,10 +323,10 @@ def test_base_applies_and_the_operator_pod_is_admitted_as_restricted(installed: 
             ((kube.get("deployment", "batchpilot-operator", "batchpilot-system") or {}).get("status") or {}).get(
                 "readyReplicas"
             )
-            == 1
+            == 2
         ),
         60,
-        "the operator Deployment's pod admitted and ready",
+        "the operator Deployment's pods (leader and standby) admitted and ready",
     )
 
 
@@ -456,3 +489,53 @@ def test_operator_runs_with_only_its_role(
     # is cluster-wide and earlier tests leave policies in terminating namespaces.
     denied = re.findall(r"cannot \w+ resource \S+ in API group \S+", text)
     assert not denied, (sorted(set(denied)), text[-4000:])
+
+
+@pytest.mark.cluster
+def test_operator_leads_with_only_its_role(installed: Kube, tmp_path: Path) -> None:
+    """`--leader-elect` as the Deployment runs it, with the ServiceAccount's token: it takes
+    the Lease in its namespace, and releases it on SIGTERM; no other Lease is writable."""
+    if installed.external:
+        pytest.skip("local control plane only")
+    kube = installed
+    for verb, where, expected in (
+        ("update", "lease/batchpilot-operator", "yes"),
+        ("update", "lease/other", "no"),
+        ("delete", "lease/batchpilot-operator", "no"),
+    ):
+        result = kube.kubectl("auth", "can-i", verb, where, "-n", "batchpilot-system", "--as", SA, check=False)
+        assert result.stdout.strip() == expected, (verb, where, result.stdout)
+    assert (
+        kube.kubectl("auth", "can-i", "create", "leases", "-n", "default", "--as", SA, check=False).stdout.strip()
+        == "no"
+    )
+    config = sa_kubeconfig(kube, tmp_path / "sa.kubeconfig")
+    log = tmp_path / "operator.log"
+    kube.kubectl("delete", "lease", "batchpilot-operator", "-n", "batchpilot-system", "--ignore-not-found")
+    proc = subprocess.Popen(
+        [
+            sys.executable, "-m", "batchpilot_operator.cli", "run",
+            f"--kubeconfig={config}", "--prometheus-url=http://127.0.0.1:9", "--namespace=batchpilot-system",
+            f"--metrics-port={free_port()}", "--health-port=0", "--leader-elect",
+            "--leader-election-namespace=batchpilot-system",
+        ],
+        stdout=log.open("wb"), stderr=subprocess.STDOUT,
+        env={**os.environ, "PYTHONUNBUFFERED": "1", "BATCHPILOT_IDENTITY": "sa-test"},
+    )  # fmt: skip
+    try:
+
+        def holder() -> str | None:
+            if proc.poll() is not None:
+                raise AssertionError(f"operator exited {proc.returncode}:\n{log.read_text()[-3000:]}")
+            lease = kube.get("lease", "batchpilot-operator", "batchpilot-system")
+            return ((lease or {}).get("spec") or {}).get("holderIdentity")
+
+        kube.wait_for(lambda: holder() == "sa-test", 60, "the operator to take the Lease")
+        kube.wait_for(lambda: "caches synced" in log.read_text(), 60, "the leader's caches")
+    finally:
+        proc.terminate()
+        proc.wait(timeout=20)
+    assert proc.returncode == 0, log.read_text()[-3000:]
+    lease = kube.get("lease", "batchpilot-operator", "batchpilot-system")
+    assert lease is not None and not lease["spec"].get("holderIdentity"), lease
+    assert "cannot" not in log.read_text(), log.read_text()[-3000:]

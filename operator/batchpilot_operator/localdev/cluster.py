@@ -183,7 +183,15 @@ egressSelections:
 """
 
 
-def gpu_node_manifest(name: str, gpus: int = 8) -> str:
+AUDIT_POLICY = """apiVersion: audit.k8s.io/v1
+kind: Policy
+omitStages: [RequestReceived]
+rules:
+  - level: Metadata
+"""
+
+
+def gpu_node_manifest(name: str, gpus: int = 8, pods: int = 110) -> str:
     return f"""apiVersion: v1
 kind: Node
 metadata:
@@ -198,8 +206,8 @@ metadata:
     type: kwok
     nvidia.com/gpu.present: "true"
 status:
-  allocatable: {{cpu: "64", memory: 512Gi, pods: "110", nvidia.com/gpu: "{gpus}"}}
-  capacity: {{cpu: "64", memory: 512Gi, pods: "110", nvidia.com/gpu: "{gpus}"}}
+  allocatable: {{cpu: "64", memory: 512Gi, pods: "{pods}", nvidia.com/gpu: "{gpus}"}}
+  capacity: {{cpu: "64", memory: 512Gi, pods: "{pods}", nvidia.com/gpu: "{gpus}"}}
 """
 
 
@@ -214,7 +222,21 @@ class LocalCluster:
 
     # ---- lifecycle -------------------------------------------------------------------
     @classmethod
-    def start(cls, workdir: Path, gpu_nodes: int = 2, timeout: float = 120.0) -> LocalCluster:
+    def start(
+        cls,
+        workdir: Path,
+        gpu_nodes: int = 2,
+        timeout: float = 120.0,
+        *,
+        audit: bool = False,
+        pods_per_node: int = 110,
+        pod_cidr: str = "10.0.0.1/24",
+        controller_qps: int | None = None,
+    ) -> LocalCluster:
+        """``audit``: the apiserver writes an audit log (metadata of every request: user agent,
+        verb, resource, namespace) to :attr:`audit_log`, to count a client's requests.
+        ``pods_per_node``/``pod_cidr``: room for many fake pods; ``controller_qps``: the
+        controller-manager's and scheduler's client rate limit (benchmarks with 1000s of pods)."""
         directory = ensure_binaries()
         t0 = time.monotonic()
         workdir = workdir.resolve()
@@ -233,6 +255,18 @@ class LocalCluster:
         if len(str(podnet_socket)) > 100:  # a Unix socket path has at most 107 bytes
             podnet_socket = Path(tempfile.mkdtemp(prefix="bp-podnet-")) / "podnet.sock"
         (workdir / "egress-selector.yaml").write_text(egress_selector_config(podnet_socket))
+        audit_args: list[str] = []
+        if audit:
+            (workdir / "audit-policy.yaml").write_text(AUDIT_POLICY)
+            audit_args = [
+                f"--audit-policy-file={workdir / 'audit-policy.yaml'}",
+                f"--audit-log-path={cluster.audit_log}",
+                "--audit-log-format=json",
+                "--audit-log-maxsize=500",
+                "--audit-log-maxbackup=1",
+                "--audit-log-mode=batch",
+                "--audit-log-batch-max-wait=1s",
+            ]
         try:
             cluster._spawn(
                 "podnet",
@@ -277,6 +311,7 @@ class LocalCluster:
                     "--endpoint-reconciler-type=none",
                     f"--egress-selector-config-file={workdir / 'egress-selector.yaml'}",
                     "--v=1",
+                    *audit_args,
                 ],
             )
             cluster.wait_ready(timeout)
@@ -299,6 +334,11 @@ class LocalCluster:
                         "--bind-address=127.0.0.1",
                         "--secure-port=0",
                         *extra,
+                        *(
+                            [f"--kube-api-qps={controller_qps}", f"--kube-api-burst={2 * controller_qps}"]
+                            if controller_qps
+                            else []
+                        ),
                     ],
                 )
             cluster._spawn(
@@ -309,13 +349,13 @@ class LocalCluster:
                     "--manage-nodes-with-annotation-selector=kwok.x-k8s.io/node=fake",
                     "--manage-nodes-with-label-selector=",
                     "--disregard-status-with-annotation-selector=kwok.x-k8s.io/status=custom",
-                    "--cidr=10.0.0.1/24",
+                    f"--cidr={pod_cidr}",
                     "--node-ip=10.0.0.1",
                     "--node-lease-duration-seconds=40",
                     f"--server-address=127.0.0.1:{free_port()}",
                 ],
             )
-            nodes = "---\n".join(gpu_node_manifest(f"gpu-node-{i}") for i in range(gpu_nodes))
+            nodes = "---\n".join(gpu_node_manifest(f"gpu-node-{i}", pods=pods_per_node) for i in range(gpu_nodes))
             cluster.kubectl("apply", "-f", "-", input=nodes)
             cluster.wait_for(
                 lambda: (
@@ -337,6 +377,10 @@ class LocalCluster:
             raise
         cluster.started_in = time.monotonic() - t0
         return cluster
+
+    @property
+    def audit_log(self) -> Path:
+        return self.workdir / "audit.log"
 
     def _spawn(self, name: str, args: list[str], command: list[str] | None = None) -> None:
         log = (self.workdir / "logs" / f"{name}.log").open("wb")
