@@ -181,6 +181,31 @@ class OperatorProcess:
                 self.proc.wait()
 
 
+NO_PROMETHEUS = "http://127.0.0.1:9"
+"""A Prometheus URL nothing listens on: analyses report Error (and, under Hold, canaries wait)."""
+
+
+def policy_status(kube: Kube, namespace: str, name: str) -> dict[str, Any]:
+    """The policy's ``.status`` ({} while it has none or the policy is gone)."""
+    return ((kube.get("batchingpolicy", name, namespace) or {}).get("status")) or {}
+
+
+def wait_policy_status(
+    kube: Kube, namespace: str, name: str, pred: Any, what: str, op: OperatorProcess, timeout: float = 90
+) -> dict[str, Any]:
+    """Wait until ``pred(status)`` holds; on timeout the error carries the operator's log tail."""
+
+    def check() -> dict[str, Any] | None:
+        st = policy_status(kube, namespace, name)
+        return st if pred(st) else None
+
+    try:
+        result: dict[str, Any] = kube.wait_for(check, timeout, what)
+    except AssertionError as exc:
+        raise AssertionError(f"{exc}\noperator log:\n{op.log()[-3000:]}") from exc
+    return result
+
+
 def start_operator(
     kube: Kube,
     namespace: str,

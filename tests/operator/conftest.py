@@ -6,6 +6,10 @@ Prometheus: ``prometheus_factory`` (function scope; call it with a list of
 server with no targets yet: add them with ``set_targets``). Tests using them are marked
 ``@pytest.mark.prometheus``; they fail when the binary is missing (hack/setup.sh installs it).
 The implementation lives in ``batchpilot_operator.localdev.prometheus`` (the demo uses it too).
+
+``operator_without_prometheus``: the operator process watching the test's namespace, with a
+Prometheus URL nothing listens on, so a canary's analysis reports Error and, under ``Hold``,
+the canary stays put for the test to drive.
 """
 
 from __future__ import annotations
@@ -18,6 +22,7 @@ from typing import Any
 import pytest
 
 from batchpilot_operator.localdev.prometheus import PROMETHEUS_BIN, PrometheusServer, ScrapeTarget, start_prometheus
+from bptest import NO_PROMETHEUS, Kube, OperatorProcess, start_operator
 
 
 def _require_prometheus() -> None:
@@ -47,3 +52,10 @@ def prometheus_factory(tmp_path: Path) -> Iterator[Callable[..., PrometheusServe
 @pytest.fixture
 def prometheus(prometheus_factory: Callable[..., PrometheusServer]) -> PrometheusServer:
     return prometheus_factory()
+
+
+@pytest.fixture
+def operator_without_prometheus(kube: Kube, namespace: str, tmp_path: Path) -> Iterator[OperatorProcess]:
+    op = start_operator(kube, namespace, tmp_path, prometheus_url=NO_PROMETHEUS)
+    yield op
+    op.stop()

@@ -14,7 +14,6 @@ import json
 import re
 import shutil
 import subprocess
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -22,7 +21,7 @@ import pytest
 import yaml
 
 from batchpilot_operator.planner import command_time
-from bptest import INTERACTIVE_LANE, REPO, Kube, OperatorProcess, lua_literal, policy, start_operator
+from bptest import INTERACTIVE_LANE, REPO, Kube, OperatorProcess, lua_literal, policy, wait_policy_status
 
 LUA = shutil.which("lua5.1") or "/usr/bin/lua5.1"
 ACTIONS_FILE = REPO / "manifests" / "argocd" / "actions.yaml"
@@ -201,17 +200,9 @@ POLICY: dict[str, Any] = policy(
 )
 
 
-@pytest.fixture
-def operator(kube: Kube, namespace: str, tmp_path: Path) -> Iterator[OperatorProcess]:
-    # No Prometheus: a canary's analysis reports Error and, under Hold, the canary stays put.
-    op = start_operator(kube, namespace, tmp_path, prometheus_url="http://127.0.0.1:9")
-    yield op
-    op.stop()
-
-
 @pytest.mark.cluster
 def test_actions_walk_a_rollout_on_the_real_apiserver(
-    kube: Kube, namespace: str, operator: OperatorProcess, tmp_path: Path
+    kube: Kube, namespace: str, operator_without_prometheus: OperatorProcess, tmp_path: Path
 ) -> None:
     ns = namespace
 
@@ -222,15 +213,7 @@ def test_actions_walk_a_rollout_on_the_real_apiserver(
         return obj
 
     def wait(pred: Any, what: str) -> dict[str, Any]:
-        def check() -> dict[str, Any] | None:
-            st: dict[str, Any] = live().get("status") or {}
-            return st if pred(st) else None
-
-        try:
-            result: dict[str, Any] = kube.wait_for(check, 90, what)
-        except AssertionError as exc:
-            raise AssertionError(f"{exc}\noperator log:\n{operator.log()[-3000:]}") from exc
-        return result
+        return wait_policy_status(kube, ns, "ranker", pred, what, operator_without_prometheus)
 
     def act(verb: str) -> str:
         obj = live()

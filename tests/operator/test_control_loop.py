@@ -17,7 +17,7 @@ from typing import Any
 
 import pytest
 
-from bptest import INTERACTIVE_LANE, Kube, OperatorProcess, policy, start_operator
+from bptest import INTERACTIVE_LANE, NO_PROMETHEUS, Kube, OperatorProcess, policy, start_operator
 
 pytestmark = pytest.mark.cluster
 
@@ -26,7 +26,6 @@ POLICY: dict[str, Any] = policy(
     lanes=[dict(INTERACTIVE_LANE)],
     rollout={"steps": [{"weight": 50, "pause": "1h"}], "analysisInterval": "10s"},
 )
-NO_PROMETHEUS = "http://127.0.0.1:9"
 READS = {"get", "list"}
 
 

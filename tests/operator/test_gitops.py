@@ -10,27 +10,19 @@ Git manifest shows nothing and re-applying leaves ``metadata.generation`` alone.
 from __future__ import annotations
 
 import copy
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
 import yaml
 
-from bptest import Kube, OperatorProcess, policy, start_operator
+from bptest import Kube, OperatorProcess, policy
 
 pytestmark = pytest.mark.cluster
 
 MANAGER = "argocd-controller"
 POLICY: dict[str, Any] = policy("gitops")
 POLICY["metadata"]["labels"] = {"app.kubernetes.io/instance": "search-policies"}
-
-
-@pytest.fixture
-def operator(kube: Kube, namespace: str, tmp_path: Path) -> Iterator[OperatorProcess]:
-    op = start_operator(kube, namespace, tmp_path, prometheus_url="http://127.0.0.1:9")
-    yield op
-    op.stop()
 
 
 def sync(kube: Kube, ns: str, path: Path) -> str:
@@ -52,7 +44,7 @@ def managers_of_spec(obj: dict[str, Any]) -> set[str]:
 
 
 def test_sync_of_an_unchanged_policy_is_a_no_op(
-    kube: Kube, namespace: str, operator: OperatorProcess, tmp_path: Path
+    kube: Kube, namespace: str, operator_without_prometheus: OperatorProcess, tmp_path: Path
 ) -> None:
     ns = namespace
     path = tmp_path / "policy.yaml"

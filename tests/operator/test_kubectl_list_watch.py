@@ -28,7 +28,7 @@ from typing import Any
 import pytest
 
 from batchpilot_operator.oncall.listing import StatusFrames, human_duration, list_rows
-from bptest import INTERACTIVE_LANE, Kube, OperatorProcess, Plugin, policy, start_operator
+from bptest import INTERACTIVE_LANE, Kube, OperatorProcess, Plugin, policy, wait_policy_status
 
 FIXTURES = Path(__file__).resolve().parent / "fixtures" / "status"
 
@@ -114,35 +114,11 @@ POLICY: dict[str, Any] = policy(
 
 
 @pytest.fixture
-def operator(kube: Kube, namespace: str, tmp_path: Path) -> Iterator[OperatorProcess]:
-    # No Prometheus: a canary's analysis reports Error and, under Hold, the canary stays put.
-    op = start_operator(kube, namespace, tmp_path, prometheus_url="http://127.0.0.1:9")
-    yield op
-    op.stop()
-
-
-@pytest.fixture
 def other_namespace(kube: Kube) -> Iterator[str]:
     name = f"t-{uuid.uuid4().hex[:8]}"
     kube.kubectl("create", "namespace", name)
     yield name
     kube.kubectl("delete", "namespace", name, "--wait=false", check=False)
-
-
-def status_of(kube: Kube, ns: str) -> dict[str, Any]:
-    return ((kube.get("batchingpolicy", "ranker", ns) or {}).get("status")) or {}
-
-
-def wait_status(kube: Kube, ns: str, pred: Any, what: str, op: OperatorProcess) -> dict[str, Any]:
-    def check() -> dict[str, Any] | None:
-        st = status_of(kube, ns)
-        return st if pred(st) else None
-
-    try:
-        result: dict[str, Any] = kube.wait_for(check, 90, what)
-    except AssertionError as exc:
-        raise AssertionError(f"{exc}\noperator log:\n{op.log()[-3000:]}") from exc
-    return result
 
 
 class Output:
@@ -198,12 +174,14 @@ def stop(proc: subprocess.Popen[bytes]) -> int:
 
 @pytest.mark.cluster
 def test_list_and_watch_follow_a_rollout(
-    kube: Kube, namespace: str, other_namespace: str, operator: OperatorProcess, tmp_path: Path
+    kube: Kube, namespace: str, other_namespace: str, operator_without_prometheus: OperatorProcess, tmp_path: Path
 ) -> None:
     ns, plugin = namespace, Plugin(kube, namespace)
     assert "No BatchingPolicies found in namespace" in plugin.run("list").stderr
     kube.apply(POLICY, "-n", ns)
-    first = wait_status(kube, ns, lambda s: s.get("phase") == "Healthy", "Healthy", operator)["stableRevision"]
+    first = wait_policy_status(
+        kube, ns, "ranker", lambda s: s.get("phase") == "Healthy", "Healthy", operator_without_prometheus
+    )["stableRevision"]
     other = copy.deepcopy(POLICY)
     other["metadata"]["name"] = "elsewhere"
     kube.apply(other, "-n", other_namespace)  # outside the operator's namespace: never reconciled
@@ -244,7 +222,14 @@ def test_list_and_watch_follow_a_rollout(
         changed = copy.deepcopy(POLICY)
         changed["spec"]["lanes"][0]["maxQueueDelay"] = "3ms"
         kube.apply(changed, "-n", ns)
-        st = wait_status(kube, ns, lambda s: s.get("canaryRevision") and s.get("lastAnalysis"), "analysed", operator)
+        st = wait_policy_status(
+            kube,
+            ns,
+            "ranker",
+            lambda s: s.get("canaryRevision") and s.get("lastAnalysis"),
+            "analysed",
+            operator_without_prometheus,
+        )
         rev = st["canaryRevision"]
         at = out.wait_for(rev, at)
         out.wait_for("Progressing", at)

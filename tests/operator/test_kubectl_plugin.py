@@ -13,14 +13,13 @@ import os
 import shutil
 import subprocess
 import sys
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
 import yaml
 
-from bptest import INTERACTIVE_LANE, Kube, OperatorProcess, Plugin, policy, start_operator
+from bptest import INTERACTIVE_LANE, Kube, OperatorProcess, Plugin, policy, policy_status, wait_policy_status
 
 pytestmark = pytest.mark.cluster
 
@@ -45,37 +44,18 @@ POLICY: dict[str, Any] = policy(
 )
 
 
-@pytest.fixture
-def operator(kube: Kube, namespace: str, tmp_path: Path) -> Iterator[OperatorProcess]:
-    op = start_operator(kube, namespace, tmp_path, prometheus_url="http://127.0.0.1:9")
-    yield op
-    op.stop()
-
-
-def status(kube: Kube, ns: str) -> dict[str, Any]:
-    return ((kube.get("batchingpolicy", "ranker", ns) or {}).get("status")) or {}
-
-
-def wait_status(kube: Kube, ns: str, pred: Any, what: str, op: OperatorProcess) -> dict[str, Any]:
-    def check() -> dict[str, Any] | None:
-        st = status(kube, ns)
-        return st if pred(st) else None
-
-    try:
-        result: dict[str, Any] = kube.wait_for(check, 90, what)
-    except AssertionError as exc:
-        raise AssertionError(f"{exc}\noperator log:\n{op.log()[-3000:]}") from exc
-    return result
-
-
 def stalled(st: dict[str, Any]) -> bool:
     return any(c["type"] == "Stalled" and c["status"] == "True" for c in st.get("conditions", []))
 
 
-def test_on_call_walks_a_rollout(kube: Kube, namespace: str, operator: OperatorProcess, tmp_path: Path) -> None:
+def test_on_call_walks_a_rollout(
+    kube: Kube, namespace: str, operator_without_prometheus: OperatorProcess, tmp_path: Path
+) -> None:
     ns, plugin = namespace, Plugin(kube, namespace)
     kube.apply(POLICY, "-n", ns)
-    first = wait_status(kube, ns, lambda s: s.get("phase") == "Healthy", "Healthy", operator)["stableRevision"]
+    first = wait_policy_status(
+        kube, ns, "ranker", lambda s: s.get("phase") == "Healthy", "Healthy", operator_without_prometheus
+    )["stableRevision"]
 
     # status and history of a Healthy policy
     table = plugin.run("status", "ranker").stdout
@@ -91,7 +71,14 @@ def test_on_call_walks_a_rollout(kube: Kube, namespace: str, operator: OperatorP
     changed = copy.deepcopy(POLICY)
     changed["spec"]["lanes"][0]["maxQueueDelay"] = "3ms"
     kube.apply(changed, "-n", ns)
-    canary = wait_status(kube, ns, lambda s: s.get("canaryRevision") and stalled(s), "a held canary", operator)
+    canary = wait_policy_status(
+        kube,
+        ns,
+        "ranker",
+        lambda s: s.get("canaryRevision") and stalled(s),
+        "a held canary",
+        operator_without_prometheus,
+    )
     rev = canary["canaryRevision"]
     s = plugin.json("status", "ranker")
     assert s["phase"] == "Progressing" and s["canaryRevision"] == rev
@@ -103,20 +90,20 @@ def test_on_call_walks_a_rollout(kube: Kube, namespace: str, operator: OperatorP
     # pause -> Paused, with who in the ledger
     out = plugin.json("pause", "ranker", "--wait", "60")
     assert out["phase"] == "Paused" and out["by"].startswith("admin@")
-    paused = status(kube, ns)["ledger"][-1]
+    paused = policy_status(kube, ns, "ranker")["ledger"][-1]
     assert paused["kind"] == "Paused" and paused["evidence"] == out["by"]
     # resume -> continues (held again on metrics)
     out = plugin.json("resume", "ranker", "--wait", "60")
     assert out["phase"] == "Progressing"
     annotations = (kube.get("batchingpolicy", "ranker", ns) or {})["metadata"].get("annotations", {})
     assert "batchpilot.dev/pause" not in annotations and annotations["batchpilot.dev/resume"] == out["by"]
-    resumed = next(e for e in reversed(status(kube, ns)["ledger"]) if e["kind"] == "Resumed")
+    resumed = next(e for e in reversed(policy_status(kube, ns, "ranker")["ledger"]) if e["kind"] == "Resumed")
     assert resumed["evidence"].startswith(f"by {out['by']};") and out["by"].startswith("admin@")
 
     # abort -> RolledBack; the ledger and an Event name the user
     out = plugin.json("abort", "ranker", "--wait", "60")
     assert out["phase"] == "RolledBack"
-    st = status(kube, ns)
+    st = policy_status(kube, ns, "ranker")
     command = next(e for e in reversed(st["ledger"]) if e["kind"] == "Command")
     assert command["reason"] == "abort" and command["evidence"] == out["by"] and out["by"].startswith("admin@")
     assert st["history"][-1]["outcome"] == "Aborted" and out["by"] in st["history"][-1]["evidence"]
@@ -137,10 +124,14 @@ def test_on_call_walks_a_rollout(kube: Kube, namespace: str, operator: OperatorP
 
     # retry -> the same revision canaries again; promote -> stable
     out = plugin.json("retry", "ranker", "--wait", "60")
-    again = wait_status(kube, ns, lambda s: s.get("canaryRevision") == rev, "the retried canary", operator)
+    again = wait_policy_status(
+        kube, ns, "ranker", lambda s: s.get("canaryRevision") == rev, "the retried canary", operator_without_prometheus
+    )
     assert again["phase"] in ("Progressing",)
     out = plugin.json("promote", "ranker", "--wait", "60")
-    done = wait_status(kube, ns, lambda s: s.get("stableRevision") == rev, "promoted", operator)
+    done = wait_policy_status(
+        kube, ns, "ranker", lambda s: s.get("stableRevision") == rev, "promoted", operator_without_prometheus
+    )
     assert done["history"][-1]["outcome"] == "Promoted" and out["by"] in done["history"][-1]["evidence"]
 
 
