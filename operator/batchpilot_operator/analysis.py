@@ -641,6 +641,17 @@ def pooled(
     return out
 
 
+def next_tally(
+    slices: Mapping[SliceKey, Slices], history: Mapping[str, Sequence[Sequence[float]]]
+) -> dict[str, list[list[float]]]:
+    """The tally to keep after this analysis: each key's pooled sub-windows; a key without
+    slices this time (its queries failed) keeps its earlier sub-windows, so a window of missing
+    data loses no evidence."""
+    kept = {key: [[float(k), float(n)] for k, n in v] for key, v in history.items()}
+    kept.update({tally_key(key): [[b, n] for b, n in v] for key, v in pooled(slices, history).items()})
+    return kept
+
+
 def verdicts(
     spec: PolicySpec,
     lane_queries: Sequence[LaneQueries],
@@ -853,5 +864,5 @@ def run_analysis(
         canary_revision=canary_revision,
         stable_revision=stable_revision,
         lanes=verdicts(spec, lane_queries, measurements, counts, history),
-        tally={tally_key(k): [[b, n] for b, n in v] for k, v in pooled(counts, history or {}).items()},
+        tally=next_tally(counts, history or {}),
     )

@@ -449,6 +449,13 @@ def test_the_tally_carries_earlier_analyses_and_decides() -> None:
         history=long,
     )  # fmt: skip
     assert len(bounded.tally[key]) == TALLY_SLICES
+    # A window whose queries all fail keeps the evidence gathered so far (and adds none).
+    failed = run_analysis(
+        DictBackend(table, fail=True), spec, policy="chat", namespace="ml", canary_revision="c1", stable_revision="s0",
+        now=NOW, history=later.tally,
+    )  # fmt: skip
+    assert failed.outcome is Outcome.ERROR
+    assert failed.tally == later.tally
 
 
 def _counters(at: list[tuple[float, float]]) -> tuple[Any, list[dict[str, Measurement]]]:
