@@ -285,3 +285,14 @@ def test_slices_and_environment_in_the_queries() -> None:
         lq.tenant
         for lq in plan_queries(make_spec(), policy="chat", namespace="ml", canary_revision="c1", stable_revision=None)
     ] == [None]
+
+
+def test_status_codes_of_rejected_requests_come_back_grouped() -> None:
+    from batchpilot_operator.prom import measurement_from_result
+
+    by_code = [{"metric": {"code": "404"}, "value": [1, "2"]}, {"metric": {"code": "400"}, "value": [1, "30"]}]
+    m = measurement_from_result("q", by_code)
+    assert m.groups == (("400", 30.0), ("404", 2.0)) and m.value is None and m.buckets is None
+    # a plain scalar stays a scalar, buckets stay buckets
+    assert measurement_from_result("q", [{"metric": {}, "value": [1, "5"]}]).value == 5.0
+    assert measurement_from_result("q", [{"metric": {"le": "+Inf"}, "value": [1, "5"]}]).buckets is not None
