@@ -301,6 +301,8 @@ class SimPrometheus:
                 self.kind[m.value] = (lq.track, m.metric, "value")
                 self.kind[m.samples] = (lq.track, m.metric, "samples")
                 self.kind[m.bad] = (lq.track, m.metric, "bad")
+                if m.codes is not None:
+                    self.kind[m.codes] = (lq.track, m.metric, "codes")
         for cq in counter_queries(self.lqs, policy="p", namespace="n"):
             self.kind[cq.requests] = (cq.track, cq.metric, "counter_requests")
             self.kind[cq.bad] = (cq.track, cq.metric, "counter_bad")
@@ -323,6 +325,15 @@ class SimPrometheus:
 
 
 def answer(w: dict[str, Any], metric: str, kind: str, q: str) -> Measurement:
+    if metric == "clientErrors":  # the simulated clients send only well-formed requests: no 4xx
+        n = w["served"]  # every request (served counts the errors too)
+        if kind == "codes":
+            return Measurement(q)
+        if kind == "value":
+            return Measurement(q, value=0.0 if n else None)
+        if kind in ("samples", "counter_requests"):
+            return Measurement(q, value=n if n or kind == "samples" else None)
+        return Measurement(q, value=0.0)
     if metric == "errorRate":
         n, k = w["served"], w["errors"]
         if kind == "value":

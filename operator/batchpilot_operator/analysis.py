@@ -85,7 +85,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from datetime import datetime
 from enum import StrEnum
-from typing import Literal, Protocol
+from typing import Any, Literal, Protocol
 
 from batchpilot_operator.spec import PolicySpec
 from batchpilot_operator.stats import (
@@ -114,9 +114,9 @@ TALLY_SLICES = TALLY_ANALYSES * SLICES
 """Sub-windows of the canary's tally: the evidence of its last 4 analyses (see judge). Long
 enough for a steady small breach to add up, short enough that one burst leaves it soon."""
 
-MetricName = Literal["p99Latency", "queueAge", "errorRate"]
+MetricName = Literal["p99Latency", "queueAge", "errorRate", "clientErrors"]
 Track = Literal["stable", "canary"]
-METRICS: tuple[MetricName, ...] = ("p99Latency", "queueAge", "errorRate")
+METRICS: tuple[MetricName, ...] = ("p99Latency", "queueAge", "errorRate", "clientErrors")
 _HISTOGRAM: dict[MetricName, str] = {"p99Latency": LATENCY_METRIC, "queueAge": QUEUE_AGE_METRIC}
 
 
@@ -124,7 +124,7 @@ def format_value(metric: MetricName, value: float) -> str:
     """A metric's value for people: seconds for latencies, a percentage for the error rate."""
     if math.isinf(value):
         return "+Inf (beyond the largest bucket)"
-    if metric == "errorRate":
+    if metric in ("errorRate", "clientErrors"):
         return f"{value * 100:.3g}%"
     return f"{value:.4g}s"
 
@@ -142,12 +142,20 @@ def format_confidence(confidence: float) -> str:
     return f"{pct:.2f}".rstrip("0").rstrip(".") + "%"
 
 
-_LABEL: dict[MetricName, str] = {"p99Latency": "p99 latency", "queueAge": "p99 queue age", "errorRate": "error rate"}
+_LABEL: dict[MetricName, str] = {
+    "p99Latency": "p99 latency",
+    "queueAge": "p99 queue age",
+    "errorRate": "error rate",
+    "clientErrors": "rejected (4xx)",
+}
 _BAD: dict[MetricName, str] = {
     "p99Latency": "slower than the SLO",
     "queueAge": "queued longer than maxQueueAge",
     "errorRate": "errors",
+    "clientErrors": "rejected",
 }
+_COUNTED: frozenset[MetricName] = frozenset({"errorRate", "clientErrors"})
+"""Objectives counted from the request counter (the others from a histogram's buckets)."""
 
 
 class Outcome(StrEnum):
@@ -183,9 +191,24 @@ def _escape(value: str) -> str:
     return value.replace("\\", "\\\\").replace('"', '\\"')
 
 
-def selector(*, namespace: str, policy: str, track: str, revision: str, lane: str, extra: str = "") -> str:
-    """The label matchers of one (policy, track, revision, lane), plus ``extra`` matchers verbatim."""
+def selector(
+    *,
+    namespace: str,
+    policy: str,
+    track: str,
+    revision: str,
+    lane: str,
+    extra: str = "",
+    tenant: str | None = None,
+    environment: str | None = None,
+) -> str:
+    """The label matchers of one (policy, track, revision, lane), plus ``extra`` matchers verbatim;
+    with ``environment`` the target label of that name, with ``tenant`` one tenant slice."""
     labels = {"namespace": namespace, "policy": policy, "track": track, "revision": revision, "lane": lane}
+    if environment is not None:
+        labels["environment"] = environment
+    if tenant is not None:
+        labels["tenant"] = tenant
     matchers = [f'{k}="{_escape(v)}"' for k, v in labels.items()]
     if extra:
         matchers.append(extra)
@@ -205,6 +228,13 @@ class MetricQueries:
     value: str
     samples: str
     bad: str
+    codes: str | None = None
+    """clientErrors: the rejected requests by status ``code`` (for the evidence)."""
+
+
+def lane_key(lane: str, tenant: str | None) -> str:
+    """A lane's name, or one tenant slice of it: ``interactive``, ``interactive[b]``."""
+    return lane if tenant is None else f"{lane}[{tenant}]"
 
 
 @dataclass(frozen=True)
@@ -214,9 +244,16 @@ class LaneQueries:
     lane: str
     window: str
     metrics: tuple[MetricQueries, ...]
+    tenant: str | None = None
+    """One tenant slice of the lane (None: the lane's total, every tenant)."""
+    environment: str | None = None
+
+    @property
+    def key(self) -> str:
+        return lane_key(self.lane, self.tenant)
 
     def all(self) -> list[str]:
-        return [q for m in self.metrics for q in (m.value, m.samples, m.bad)]
+        return [q for m in self.metrics for q in (m.value, m.samples, m.bad, m.codes) if q is not None]
 
     def metric(self, name: MetricName) -> MetricQueries:
         for m in self.metrics:
@@ -225,9 +262,27 @@ class LaneQueries:
         raise KeyError(name)
 
 
-def build_queries(*, policy: str, namespace: str, track: Track, revision: str, lane: str, window: float) -> LaneQueries:
-    """All queries of one lane of one track/revision over ``window`` seconds."""
-    labels = {"namespace": namespace, "policy": policy, "track": track, "revision": revision, "lane": lane}
+def build_queries(
+    *,
+    policy: str,
+    namespace: str,
+    track: Track,
+    revision: str,
+    lane: str,
+    window: float,
+    tenant: str | None = None,
+    environment: str | None = None,
+) -> LaneQueries:
+    """All queries of one lane (or one tenant slice of it) of one track/revision over ``window`` seconds."""
+    labels: dict[str, Any] = {
+        "namespace": namespace,
+        "policy": policy,
+        "track": track,
+        "revision": revision,
+        "lane": lane,
+        "tenant": tenant,
+        "environment": environment,
+    }
     sel = selector(**labels)
     w = promql_window(window)
     metrics = [
@@ -253,7 +308,27 @@ def build_queries(*, policy: str, namespace: str, track: Track, revision: str, l
             bad=f"sum(increase({REQUESTS_METRIC}{errors}[{w}])) or vector(0)",
         )
     )
-    return LaneQueries(track=track, revision=revision, lane=lane, window=w, metrics=tuple(metrics))
+    # Client-breaking changes: the share of all requests answered 4xx (``invalid``). Not an
+    # SLO of the lane: judged only against the stable track (see judge_client_errors).
+    rejected = selector(**labels, extra='outcome="invalid"')
+    metrics.append(
+        MetricQueries(
+            metric="clientErrors",
+            value=f"(sum(rate({REQUESTS_METRIC}{rejected}[{w}])) or vector(0)) / sum(rate({REQUESTS_METRIC}{sel}[{w}]))",
+            samples=f"sum(increase({REQUESTS_METRIC}{sel}[{w}]))",
+            bad=f"sum(increase({REQUESTS_METRIC}{rejected}[{w}])) or vector(0)",
+            codes=f"sum by (code) (increase({REQUESTS_METRIC}{rejected}[{w}]))",
+        )
+    )
+    return LaneQueries(
+        track=track,
+        revision=revision,
+        lane=lane,
+        window=w,
+        metrics=tuple(metrics),
+        tenant=tenant,
+        environment=environment,
+    )
 
 
 # --------------------------------------------------------------------------- backend
@@ -272,6 +347,8 @@ class Measurement:
     value: float | None = None
     error: str | None = None
     buckets: tuple[tuple[float, float], ...] | None = None
+    groups: tuple[tuple[str, float], ...] | None = None
+    """One value per value of the one label a ``sum by (label)`` query keeps (e.g. ``code``)."""
 
 
 class MetricsBackend(Protocol):
@@ -320,6 +397,15 @@ class MetricCheck:
     shared_breach: bool = False
     """Inconclusive because the stable's tally breaches too and the canary is not clearly
     worse: a burst or an overload both tracks see, not the canary."""
+    tenant: str | None = None
+    """The tenant slice this check is of (None: the lane's total)."""
+    codes: tuple[tuple[str, float], ...] | None = None
+    """clientErrors: the rejected requests by status code over the window."""
+
+    @property
+    def thin(self) -> bool:
+        """Too few requests (or none) to judge: Inconclusive with no breach to report."""
+        return self.outcome is Outcome.INCONCLUSIVE and self.note is None
 
     @property
     def bad_fraction(self) -> float | None:
@@ -334,9 +420,12 @@ class MetricCheck:
 
     def describe(self) -> str:
         """The check in words on-call reads (Events, ledger, ``kubectl batchpilot``)."""
-        head = f"lane {self.lane} {_LABEL[self.metric]}"
+        where = f"lane {self.lane}" + (f" tenant {self.tenant}" if self.tenant is not None else "")
+        head = f"{where} {_LABEL[self.metric]}"
         if self.outcome is Outcome.ERROR:
             return f"{head}: query error ({self.error})"
+        if self.metric == "clientErrors":
+            return self._describe_rejected(where)
         threshold = format_value(self.metric, self.threshold)
         value = "no data" if self.value is None else format_value(self.metric, self.value)
         samples = "0" if self.samples is None else f"{self.samples:.0f}"
@@ -380,13 +469,57 @@ class MetricCheck:
             text += f"; {self.note}"
         return text
 
+    def _describe_rejected(self, where: str) -> str:
+        """The 4xx comparison in words: ``lane x tenant b: rejected 100% (400) of 120 requests vs stable 0% of 300``."""
+        k, n = self.tally or (self.bad or 0.0, self.samples or 0.0)
+        if self.samples is None or self.bad is None or n <= 0:
+            return f"{where}: rejected (4xx) no data from {self.samples or 0:.0f} requests"
+        codes = ", ".join(code for code, count in sorted(self.codes or ()) if count > 0)
+        text = f"{where}: rejected {format_share(k / n)}" + (f" ({codes})" if codes else "") + f" of {n:.0f} requests"
+        if self.stable_tally is not None:
+            ks, ns = self.stable_tally
+            text += f" vs stable {format_share(ks / ns if ns else 0.0)} of {ns:.0f}"
+        elif self.stable is not None and self.stable.bad_fraction is not None:
+            text += f" vs stable {format_share(self.stable.bad_fraction)} of {self.stable.samples or 0:.0f}"
+        if self.tally is not None and self.tally[1] > (self.samples or 0) + 0.5:
+            text += " (this and earlier analyses)"
+        if self.outcome is Outcome.INCONCLUSIVE and self.note is None:
+            return text + " (too few)"
+        if self.confidence_worse is not None and self.outcome is not Outcome.SUCCESSFUL:
+            text += f"; worse than stable with {format_confidence(self.confidence_worse)} confidence"
+        if self.note:
+            text += f"; {self.note}"
+        return text
+
 
 @dataclass(frozen=True)
 class LaneVerdict:
+    """A lane's verdict: its total (every tenant) and, when the policy declares tenants, one
+    verdict per tenant slice in ``slices``, each by the same rule on the slice's own requests.
+
+    How slices combine into the lane (README "Tenant slices"): a slice's objective with too few
+    requests in the window (``minSamples``, as for the total) is *thin*: Inconclusive for that
+    slice, recorded, and left out of the lane's outcome and of its step pass, so a tenant that
+    sends little never holds the rollout (its requests still count in the lane's total). Any
+    other slice outcome counts as the total's would: a Failed slice fails the lane even when
+    the total passes, an Error or a breach not yet pinned on the canary holds the step.
+    """
+
     lane: str
     outcome: Outcome
     canary: tuple[MetricCheck, ...]
     stable: tuple[MetricCheck, ...] = ()
+    tenant: str | None = None
+    slices: tuple[LaneVerdict, ...] = ()
+
+    @property
+    def thin(self) -> bool:
+        """A tenant slice with too few requests to judge any objective."""
+        return bool(self.canary) and all(c.thin for c in self.canary)
+
+    def checks(self) -> tuple[MetricCheck, ...]:
+        """The canary's checks of the total and of every slice that was judged (not thin)."""
+        return self.canary + tuple(c for s in self.slices for c in s.canary if not c.thin)
 
     def check(self, metric: MetricName, track: Track = "canary") -> MetricCheck | None:
         for c in self.canary if track == "canary" else self.stable:
@@ -397,11 +530,18 @@ class LaneVerdict:
     @property
     def passes_step(self) -> bool:
         """Nothing against the canary: every objective Successful, or breached only as the
-        stable breaches too without the canary being clearly worse (a burst both tracks saw)."""
-        return bool(self.canary) and all(
-            c.outcome is Outcome.SUCCESSFUL or (c.outcome is Outcome.INCONCLUSIVE and c.shared_breach)
-            for c in self.canary
-        )
+        stable breaches too without the canary being clearly worse (a burst both tracks saw);
+        and so in every tenant slice, where a thin objective counts for nothing."""
+        thin_ok = self.tenant is not None
+
+        def passes(c: MetricCheck) -> bool:
+            return (
+                c.outcome is Outcome.SUCCESSFUL
+                or (c.outcome is Outcome.INCONCLUSIVE and c.shared_breach)
+                or (thin_ok and c.thin)
+            )
+
+        return bool(self.canary) and all(passes(c) for c in self.canary) and all(s.passes_step for s in self.slices)
 
     @property
     def holds_step(self) -> bool:
@@ -412,7 +552,7 @@ class LaneVerdict:
             c.outcome is Outcome.FAILED
             or (c.outcome is Outcome.INCONCLUSIVE and c.note is not None and not c.shared_breach)
             for c in self.canary
-        )
+        ) or any(s.holds_step for s in self.slices)
 
 
 @dataclass(frozen=True)
@@ -433,7 +573,7 @@ class AnalysisResult:
 
     def evidence(self, only: Sequence[Outcome] | None = None) -> str:
         """A short text with the canary's values (optionally only checks with given outcomes)."""
-        parts = [c.describe() for lane in self.lanes for c in lane.canary if only is None or c.outcome in only]
+        parts = [c.describe() for lane in self.lanes for c in lane.checks() if only is None or c.outcome in only]
         return "; ".join(parts) if parts else "no measurements"
 
 
@@ -479,6 +619,7 @@ def check_metric(
     samples = _finite(samples_m.value)
     error = value_m.error or samples_m.error or bad_m.error
     bad = None if error else _bad_events(metric, bad_m, threshold, samples)
+    codes = measurements.get(mq.codes) if mq.codes is not None else None
     check = MetricCheck(
         track=queries.track,
         revision=queries.revision,
@@ -493,6 +634,8 @@ def check_metric(
         error=error,
         bad=bad,
         budget=budget,
+        tenant=queries.tenant,
+        codes=codes.groups if codes is not None and codes.error is None else None,
     )
     if error is not None:
         outcome = Outcome.ERROR
@@ -580,18 +723,52 @@ def judge(
     )
 
 
+NO_STABLE_4XX = "no stable track with enough requests to compare with: 4xx are taken as the clients' own"
+
+
+def judge_client_errors(
+    canary: MetricCheck,
+    stable: MetricCheck | None,
+    confidence: float,
+    canary_slices: Slices | None = None,
+    stable_slices: Slices | None = None,
+) -> MetricCheck:
+    """The verdict on the canary's 4xx share: :func:`judge` with a zero budget, so any 4xx is a
+    "breach" that fails only when the canary rejects more than the stable with ``confidence``
+    (Fisher's one-sided test and the sub-window test), and, when the stable rejects some too
+    (clients sending bad requests to both), only at :data:`SHARED_BREACH_RATIO` times its
+    share: 4xx both tracks return alike stay the clients' fault. Without a usable stable
+    (none, too few requests, its queries failing) there is nothing to tell a client's mistake
+    from the canary's: Successful, with that said in ``note``."""
+    usable = stable is not None and stable.outcome not in (Outcome.ERROR, Outcome.INCONCLUSIVE)
+    if usable or canary.outcome in (Outcome.ERROR, Outcome.INCONCLUSIVE) or canary.bad is None:
+        return judge(canary, stable, confidence, canary_slices, stable_slices)
+    return dataclasses.replace(canary, outcome=Outcome.SUCCESSFUL, note=NO_STABLE_4XX if canary.bad else None)
+
+
 def _totals(slices: Slices) -> tuple[float, float]:
     return sum(k for k, _ in slices), sum(n for _, n in slices)
 
 
 def lane_thresholds(spec: PolicySpec, lane: str) -> dict[MetricName, float]:
     slo = spec.lane_slo(lane)
-    return {"p99Latency": slo.p99_latency, "queueAge": slo.max_queue_age, "errorRate": slo.max_error_rate}
+    return {
+        "p99Latency": slo.p99_latency,
+        "queueAge": slo.max_queue_age,
+        "errorRate": slo.max_error_rate,
+        "clientErrors": 0.0,
+    }
 
 
 def lane_budgets(spec: PolicySpec, lane: str) -> dict[MetricName, float]:
-    """The bad fraction each objective allows: 1% over a p99 threshold, maxErrorRate errors."""
-    return {"p99Latency": P99_BUDGET, "queueAge": P99_BUDGET, "errorRate": spec.lane_slo(lane).max_error_rate}
+    """The bad fraction each objective allows: 1% over a p99 threshold, maxErrorRate errors,
+    no 4xx beyond the stable's (clientErrors has no budget of its own: judge_client_errors)."""
+    return {
+        "p99Latency": P99_BUDGET,
+        "queueAge": P99_BUDGET,
+        "errorRate": spec.lane_slo(lane).max_error_rate,
+        "clientErrors": 0.0,
+    }
 
 
 def plan_queries(
@@ -601,11 +778,15 @@ def plan_queries(
     namespace: str,
     canary_revision: str,
     stable_revision: str | None,
+    environment: str | None = None,
 ) -> list[LaneQueries]:
-    """Every query one analysis runs: each lane of the canary, and of the stable track."""
+    """Every query one analysis runs: each lane of the canary, and of the stable track, in
+    total and per tenant slice (:attr:`PolicySpec.tenant_slices`); ``environment``: only the
+    targets Prometheus labels with it (the policy's ``batchpilot.dev/environment``)."""
     tracks: list[tuple[Track, str]] = [("canary", canary_revision)]
     if stable_revision is not None:
         tracks.append(("stable", stable_revision))
+    tenants: list[str | None] = [None, *spec.tenant_slices]
     return [
         build_queries(
             policy=policy,
@@ -614,14 +795,17 @@ def plan_queries(
             revision=revision,
             lane=lane.name,
             window=spec.rollout.analysis_interval,
+            tenant=tenant,
+            environment=environment,
         )
         for lane in spec.lanes
+        for tenant in tenants
         for track, revision in tracks
     ]
 
 
 SliceKey = tuple[str, str, MetricName]
-"""(track, lane, metric)"""
+"""(track, lane key, metric): the lane key is the lane, or ``lane[tenant]`` (:func:`lane_key`)."""
 
 
 def tally_key(key: SliceKey) -> str:
@@ -671,7 +855,7 @@ def verdicts(
     for lq in lane_queries:
         thresholds = lane_thresholds(spec, lq.lane)
         budgets = lane_budgets(spec, lq.lane)
-        checks = by_lane.setdefault(lq.lane, {"canary": [], "stable": []})
+        checks = by_lane.setdefault(lq.key, {"canary": [], "stable": []})
         for metric in METRICS:
             checks[lq.track].append(
                 check_metric(
@@ -683,28 +867,40 @@ def verdicts(
                     budget=budgets[metric],
                 )
             )
-    result = []
-    for lane in spec.lanes:
-        lane_checks = by_lane.get(lane.name)
+
+    def lane_verdict(lane: str, tenant: str | None) -> LaneVerdict | None:
+        key = lane_key(lane, tenant)
+        lane_checks = by_lane.get(key)
         if lane_checks is None:
-            continue
+            return None
         stable = tuple(lane_checks["stable"])
         canary = tuple(
-            judge(
+            (judge_client_errors if c.metric == "clientErrors" else judge)(
                 c,
                 next((s for s in stable if s.metric == c.metric), None),
                 spec.rollout.confidence,
-                sl.get(("canary", lane.name, c.metric)),
-                sl.get(("stable", lane.name, c.metric)),
+                sl.get(("canary", key, c.metric)),
+                sl.get(("stable", key, c.metric)),
             )
             for c in lane_checks["canary"]
         )
+        if tenant is None:
+            outcome = combine([c.outcome for c in canary])
+        else:  # a thin objective of a slice counts for nothing (LaneVerdict)
+            counted = [c.outcome for c in canary if not c.thin]
+            outcome = combine(counted) if counted else Outcome.INCONCLUSIVE
+        return LaneVerdict(lane=lane, outcome=outcome, canary=canary, stable=stable, tenant=tenant)
+
+    result = []
+    for lane in spec.lanes:
+        total = lane_verdict(lane.name, None)
+        if total is None:
+            continue
+        parts = tuple(v for t in spec.tenant_slices if (v := lane_verdict(lane.name, t)) is not None)
+        judged = [v.outcome for v in parts if not v.thin]
         result.append(
-            LaneVerdict(
-                lane=lane.name,
-                outcome=combine([c.outcome for c in canary]),
-                canary=canary,
-                stable=stable,
+            dataclasses.replace(
+                total, slices=parts, outcome=combine([total.outcome, *judged]) if judged else total.outcome
             )
         )
     return tuple(result)
@@ -721,17 +917,35 @@ class CounterQueries:
     metric: MetricName
     requests: str
     bad: str
+    tenant: str | None = None
+
+    @property
+    def key(self) -> SliceKey:
+        return (self.track, lane_key(self.lane, self.tenant), self.metric)
 
 
 def counter_queries(lane_queries: Sequence[LaneQueries], *, policy: str, namespace: str) -> list[CounterQueries]:
     out = []
     for lq in lane_queries:
-        labels = {"namespace": namespace, "policy": policy, "track": lq.track, "revision": lq.revision, "lane": lq.lane}
+        labels: dict[str, Any] = {
+            "namespace": namespace,
+            "policy": policy,
+            "track": lq.track,
+            "revision": lq.revision,
+            "lane": lq.lane,
+            "tenant": lq.tenant,
+            "environment": lq.environment,
+        }
         sel = selector(**labels)
         for metric, hist in _HISTOGRAM.items():
             out.append(
                 CounterQueries(
-                    lq.track, lq.lane, metric, f"sum({hist}_count{sel})", f"sum by (le) ({hist}_bucket{sel})"
+                    lq.track,
+                    lq.lane,
+                    metric,
+                    f"sum({hist}_count{sel})",
+                    f"sum by (le) ({hist}_bucket{sel})",
+                    lq.tenant,
                 )
             )
         errors = selector(**labels, extra=f'outcome=~"{"|".join(ERROR_OUTCOMES)}"')
@@ -743,6 +957,18 @@ def counter_queries(lane_queries: Sequence[LaneQueries], *, policy: str, namespa
                 "errorRate",
                 f"sum({REQUESTS_METRIC}{served})",
                 f"sum({REQUESTS_METRIC}{errors}) or vector(0)",
+                lq.tenant,
+            )
+        )
+        rejected = selector(**labels, extra='outcome="invalid"')
+        out.append(
+            CounterQueries(
+                lq.track,
+                lq.lane,
+                "clientErrors",
+                f"sum({REQUESTS_METRIC}{sel})",
+                f"sum({REQUESTS_METRIC}{rejected}) or vector(0)",
+                lq.tenant,
             )
         )
     return out
@@ -753,7 +979,7 @@ SLICE_COVERAGE = 0.8
 
 
 def _counter_bad(cq: CounterQueries, m: Measurement) -> float | dict[float, float] | None:
-    if cq.metric == "errorRate":
+    if cq.metric in _COUNTED:
         return _finite(m.value) if m.value is not None else 0.0
     if not m.buckets:
         return None
@@ -777,7 +1003,7 @@ def slice_counts(
     :data:`SLICE_COVERAGE` of them."""
     out: dict[SliceKey, Slices] = {}
     for cq in counters:
-        key: SliceKey = (cq.track, cq.lane, cq.metric)
+        key: SliceKey = cq.key
         threshold = lane_thresholds(spec, cq.lane)[cq.metric]
         reads: list[tuple[float, float | dict[float, float]] | None] = []
         for ms in at_boundaries:
@@ -835,6 +1061,7 @@ def run_analysis(
     stable_revision: str | None,
     now: datetime,
     history: Mapping[str, Sequence[Sequence[float]]] | None = None,
+    environment: str | None = None,
 ) -> AnalysisResult:
     """Query the backend for every lane of both tracks, over the window and each of its
     sub-windows, and judge the canary on its tally (``history`` extended by this window)."""
@@ -844,6 +1071,7 @@ def run_analysis(
         namespace=namespace,
         canary_revision=canary_revision,
         stable_revision=stable_revision,
+        environment=environment,
     )
     at = now.timestamp()
     measurements = backend.measure([q for lq in lane_queries for q in lq.all()], at=at)
@@ -852,7 +1080,7 @@ def run_analysis(
     step = spec.rollout.analysis_interval / SLICES
     boundaries = [backend.measure(raw, at=at - j * step) for j in reversed(range(SLICES + 1))]
     totals: dict[SliceKey, float] = {
-        (lq.track, lq.lane, mq.metric): measurements[mq.samples].value or 0.0
+        (lq.track, lq.key, mq.metric): measurements[mq.samples].value or 0.0
         for lq in lane_queries
         for mq in lq.metrics
         if mq.samples in measurements and measurements[mq.samples].error is None

@@ -29,6 +29,9 @@ Track = Literal["stable", "canary"]
 LABEL_POLICY = "batchpilot.dev/policy"
 LABEL_REVISION = "batchpilot.dev/revision"
 LABEL_TRACK = "batchpilot.dev/track"
+LABEL_ENVIRONMENT = "batchpilot.dev/environment"
+"""On a policy (e.g. ``staging``, ``prod``): copied onto its pods, where the PodMonitor turns it
+into the ``environment`` target label the canary analysis and the dashboard filter by."""
 LABEL_COMPONENT = "app.kubernetes.io/component"
 ANNOTATION_APPLIED = "batchpilot.dev/applied-hash"
 FIELD_MANAGER = "batchpilot"
@@ -128,9 +131,12 @@ def build_deployment(
     revision: str,
     replicas: int,
     drain_seconds: int = 30,
+    environment: str | None = None,
 ) -> Manifest:
     selector = {LABEL_POLICY: policy, LABEL_TRACK: track}
     pod_labels = {**common_labels(policy), LABEL_TRACK: track, LABEL_REVISION: revision}
+    if environment:
+        pod_labels[LABEL_ENVIRONMENT] = environment
     probe_common = {"periodSeconds": 5, "timeoutSeconds": 2}
     container: dict[str, Any] = {
         "name": "runtime",

@@ -19,7 +19,7 @@ from pydantic import ValidationError
 
 from batchpilot_operator import children, opmetrics, recommender
 from batchpilot_operator.analysis import AnalysisResult, MetricsBackend, run_analysis
-from batchpilot_operator.children import LABEL_REVISION, Manifest, Track
+from batchpilot_operator.children import LABEL_ENVIRONMENT, LABEL_REVISION, Manifest, Track
 from batchpilot_operator.kube import Kube, same_json
 from batchpilot_operator.planner import (
     Commands,
@@ -53,6 +53,12 @@ class ReconcileResult:
     writes: int
     decision: Decision | None
     requeue_after: float | None
+
+
+def environment_of(body: dict[str, Any]) -> str | None:
+    """The policy's ``batchpilot.dev/environment`` label (staging, prod, ...), if any."""
+    value = ((body.get("metadata") or {}).get("labels") or {}).get(LABEL_ENVIRONMENT)
+    return str(value) if value else None
 
 
 def observe_track(deployment: Manifest | None) -> TrackObserved | None:
@@ -130,6 +136,7 @@ def reconcile(
             stable_revision=stable_revision,
             now=now,
             history=status.rollout.evidence if status.rollout is not None else None,
+            environment=environment_of(body),
         )
 
     decision = plan(
@@ -183,14 +190,28 @@ def execute(
 
     writes += kube.apply(
         children.build_deployment(
-            name, namespace, uid, spec, "stable", decision.stable_revision, decision.stable_replicas
+            name,
+            namespace,
+            uid,
+            spec,
+            "stable",
+            decision.stable_revision,
+            decision.stable_replicas,
+            environment=environment_of(body),
         ),
         deployments["stable"],
     )
     if decision.canary_revision and decision.canary_replicas > 0:
         writes += kube.apply(
             children.build_deployment(
-                name, namespace, uid, spec, "canary", decision.canary_revision, decision.canary_replicas
+                name,
+                namespace,
+                uid,
+                spec,
+                "canary",
+                decision.canary_revision,
+                decision.canary_replicas,
+                environment=environment_of(body),
             ),
             deployments["canary"],
         )

@@ -75,7 +75,7 @@ from dataclasses import dataclass, field
 from datetime import UTC, datetime, timedelta
 from typing import Literal
 
-from batchpilot_operator.analysis import AnalysisResult, MetricCheck, Outcome, format_value
+from batchpilot_operator.analysis import AnalysisResult, LaneVerdict, MetricCheck, Outcome, format_value
 from batchpilot_operator.spec import PolicySpec
 from batchpilot_operator.status import (
     FAILED_REVISIONS_LIMIT,
@@ -94,6 +94,7 @@ from batchpilot_operator.status import (
     Phase,
     RolloutState,
     Status,
+    TenantSummary,
 )
 
 ANNOTATION_PREFIX = "batchpilot.dev/"
@@ -536,8 +537,17 @@ class _Planner:
     def record_analysis(self, a: AnalysisResult) -> None:
         lanes: list[LaneSummary] = []
         for lane in a.lanes:
-            for c in lane.canary:
-                s = lane.check(c.metric, "stable")
+            # The lane's total, every objective; of a tenant slice only what holds against the
+            # canary (Failed, Error, or a breach not yet pinned), so the ledger stays readable.
+            judged: list[tuple[LaneVerdict, MetricCheck]] = [(lane, c) for c in lane.canary]
+            judged += [
+                (sl, c)
+                for sl in lane.slices
+                for c in sl.canary
+                if c.outcome in (Outcome.FAILED, Outcome.ERROR) or (c.outcome is Outcome.INCONCLUSIVE and c.note)
+            ]
+            for owner, c in judged:
+                s = owner.check(c.metric, "stable")
                 self._append_ledger(
                     LedgerEntry(
                         time=self.now,
@@ -558,6 +568,7 @@ class _Planner:
                         stable_bad_fraction=s.bad_fraction if s else None,
                         confidence_worse=c.confidence_worse,
                         confidence_over_budget=c.confidence_over_budget,
+                        tenant=c.tenant,
                     )
                 )
             lat = lane.check("p99Latency")
@@ -566,6 +577,7 @@ class _Planner:
             slat = lane.check("p99Latency", "stable")
             sqa = lane.check("queueAge", "stable")
             serr = lane.check("errorRate", "stable")
+            rej, srej = lane.check("clientErrors"), lane.check("clientErrors", "stable")
             slo = self.spec.lane_slo(lane.lane)
             lanes.append(
                 LaneSummary(
@@ -584,6 +596,9 @@ class _Planner:
                     stable_queue_age=_val(sqa),
                     stable_error_rate=_val(serr),
                     stable_samples=slat.samples if slat else None,
+                    rejected=_val(rej),
+                    stable_rejected=_val(srej),
+                    tenants=[_tenant_summary(sl) for sl in lane.slices] or None,
                 )
             )
         self.st.last_analysis = AnalysisSummary(
@@ -932,6 +947,28 @@ def resumed_by(resume: str | None, pause: str, rollout: RolloutState | None) -> 
 
 def _val(check: MetricCheck | None) -> float | None:
     return None if check is None else _json_float(check.value)
+
+
+def _tenant_summary(sl: LaneVerdict) -> TenantSummary:
+    lat, slat = sl.check("p99Latency"), sl.check("p99Latency", "stable")
+    rej, srej = sl.check("clientErrors"), sl.check("clientErrors", "stable")
+    held = [
+        c.describe()
+        for c in sl.canary
+        if c.outcome in (Outcome.FAILED, Outcome.ERROR) or (c.outcome is Outcome.INCONCLUSIVE and c.note)
+    ]
+    return TenantSummary(
+        tenant=sl.tenant or "",
+        outcome=sl.outcome.value,
+        thin=sl.thin,
+        p99_latency=_val(lat),
+        stable_p99_latency=_val(slat),
+        samples=lat.samples if lat else None,
+        requests=rej.samples if rej else None,
+        rejected=_val(rej),
+        stable_rejected=_val(srej),
+        evidence="; ".join(held) or None,
+    )
 
 
 def _fmt(value: float | None) -> str:

@@ -76,10 +76,26 @@ def buckets_from_result(result: Any) -> tuple[tuple[float, float], ...] | None:
     return tuple(buckets)
 
 
+def groups_from_result(result: Any) -> tuple[tuple[str, float], ...] | None:
+    """A ``sum by (label)`` vector of one label other than ``le``: ``((value, count), ...)``.
+
+    None when the answer is not one series per value of a single label (then it is a scalar)."""
+    if not isinstance(result, list) or not result or not all(isinstance(item, dict) for item in result):
+        return None
+    keys = {tuple(item.get("metric", {})) for item in result}
+    if len(keys) != 1 or len(next(iter(keys))) != 1:
+        return None
+    (label,) = next(iter(keys))
+    return tuple(sorted((str(item["metric"][label]), float(item["value"][1])) for item in result))
+
+
 def measurement_from_result(query: str, result: Any) -> Measurement:
     buckets = buckets_from_result(result)
     if buckets is not None:
         return Measurement(query=query, buckets=buckets)
+    groups = groups_from_result(result)
+    if groups is not None:
+        return Measurement(query=query, groups=groups)
     return Measurement(query=query, value=scalar_from_result(result))
 
 

@@ -16,12 +16,18 @@ from typing import Annotated, Any, Literal
 from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, ValidationInfo, model_validator
 
 from batchpilot_runtime.config import (
+    DEFAULT_TENANT,
+    HEADER_NAME_PATTERN,
     LANE_NAME_PATTERN,
+    MAX_TENANTS,
     MODEL_SOURCE_PATTERN,
+    OTHER_TENANT,
+    TENANT_HEADER,
     Duration,
     LaneConfig,
     ModelConfig,
     RuntimeConfig,
+    TenantsConfig,
     format_duration,
 )
 
@@ -219,6 +225,32 @@ class TuningSpec(_Spec):
         return self.window if self.window is not None else min(self.interval, MAX_TUNING_WINDOW)
 
 
+# ---- issue 12: tenants the metrics and the canary analysis slice by --------------------------
+
+
+class TenantsSpec(_Spec):
+    """The tenants a policy's metrics tell apart and the canary analysis judges one by one.
+
+    At most :data:`MAX_TENANTS` names, so the runtime's ``tenant`` label takes at most 10 values
+    (the names, ``default`` for requests naming none, ``other`` for undeclared names)."""
+
+    names: list[Annotated[str, Field(pattern=LANE_NAME_PATTERN)]] = Field(min_length=1, max_length=MAX_TENANTS)
+    header: str = Field(default=TENANT_HEADER, pattern=HEADER_NAME_PATTERN, max_length=63)
+
+    @model_validator(mode="after")
+    def _names(self) -> TenantsSpec:
+        if len(set(self.names)) != len(self.names):
+            raise ValueError("spec.tenants.names must be unique")
+        if {DEFAULT_TENANT, OTHER_TENANT} & set(self.names):
+            raise ValueError(
+                "spec.tenants.names: 'default' and 'other' are reserved (requests naming no tenant, or an undeclared one)"
+            )
+        return self
+
+    def runtime(self) -> TenantsConfig:
+        return TenantsConfig(names=list(self.names), header=self.header)
+
+
 class PolicySpec(_Spec):
     model: ModelSpec
     replicas: SpecInt = Field(default=1, ge=1, le=1000)
@@ -230,6 +262,7 @@ class PolicySpec(_Spec):
     slo: SLO
     rollout: RolloutSpec = Field(default_factory=RolloutSpec)
     tuning: TuningSpec | None = None
+    tenants: TenantsSpec | None = None
 
     @model_validator(mode="after")
     def _policy_rules(self) -> PolicySpec:
@@ -261,7 +294,7 @@ class PolicySpec(_Spec):
         data = self.model_dump(mode="json", by_alias=True, exclude_none=True)
         return {
             key: data[key]
-            for key in ("model", "resources", "nodeSelector", "tolerations", "lanes", "defaultLane")
+            for key in ("model", "resources", "nodeSelector", "tolerations", "lanes", "defaultLane", "tenants")
             if key in data
         } | {"lanes": [_lane_runtime_fields(lane) for lane in data["lanes"]]}
 
@@ -285,7 +318,14 @@ class PolicySpec(_Spec):
             ),
             lanes=[lane.runtime_lane() for lane in self.lanes],
             default_lane=self.default_lane,
+            tenants=self.tenants.runtime() if self.tenants is not None else None,
         )
+
+    @property
+    def tenant_slices(self) -> list[str]:
+        """The tenant slices the canary analysis judges besides each lane's total: every value of
+        the ``tenant`` label (declared names, ``default``, ``other``); none without spec.tenants."""
+        return self.tenants.runtime().labels if self.tenants is not None else []
 
 
 def _lane_runtime_fields(lane: dict[str, Any]) -> dict[str, Any]:

@@ -131,6 +131,7 @@ class LedgerEntry(_Model):
     stable_bad_fraction: float | None = Field(default=None, alias="stableBadFraction")
     confidence_worse: float | None = Field(default=None, alias="confidenceWorse")
     confidence_over_budget: float | None = Field(default=None, alias="confidenceOverBudget")
+    tenant: str | None = Field(default=None, description="the tenant slice judged (absent: the lane's total)")
 
 
 HistoryOutcome = Literal["Promoted", "RolledBack", "Superseded", "Aborted"]
@@ -191,6 +192,28 @@ class LaneSummary(_Model):
     stable_queue_age: float | None = Field(default=None, alias="stableQueueAge")
     stable_error_rate: float | None = Field(default=None, alias="stableErrorRate")
     stable_samples: float | None = Field(default=None, alias="stableSamples")
+    rejected: float | None = None
+    """The share of the lane's requests answered 4xx (issue 12), and the stable's."""
+    stable_rejected: float | None = Field(default=None, alias="stableRejected")
+    tenants: list[TenantSummary] | None = None
+
+
+class TenantSummary(_Model):
+    """One tenant slice of a lane in the last analysis (issue 12): its own counts and verdict."""
+
+    tenant: str
+    outcome: str
+    thin: bool = Field(default=False, description="too few requests to judge: counted for nothing")
+    p99_latency: float | None = Field(default=None, alias="p99Latency")
+    stable_p99_latency: float | None = Field(default=None, alias="stableP99Latency")
+    samples: float | None = None
+    requests: float | None = None
+    """Every request of the tenant, rejected ones too (the 4xx share's denominator)."""
+    rejected: float | None = None
+    """The share answered 4xx."""
+    stable_rejected: float | None = Field(default=None, alias="stableRejected")
+    evidence: str | None = None
+    """What held the slice against the canary (Failed, or a breach not yet pinned)."""
 
 
 class AnalysisSummary(_Model):

@@ -53,10 +53,13 @@ class State(enum.IntEnum):
 class Pending:
     """One admitted request: its rows, its timing and the future its handler awaits."""
 
-    __slots__ = ("arrival", "data", "dispatched_at", "future", "lane", "rows", "state", "timer")
+    __slots__ = ("arrival", "data", "dispatched_at", "future", "lane", "rows", "state", "tenant", "timer")
 
-    def __init__(self, data: np.ndarray[Any, Any], lane: int, arrival: float, future: Any = None) -> None:
+    def __init__(
+        self, data: np.ndarray[Any, Any], lane: int, arrival: float, future: Any = None, tenant: str = "default"
+    ) -> None:
         self.data = data
+        self.tenant = tenant
         self.rows = int(data.shape[0])
         self.lane = lane
         self.arrival = arrival

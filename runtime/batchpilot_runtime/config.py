@@ -145,6 +145,51 @@ class ModelConfig(_Model):
     threads: int | None = Field(default=None, ge=1, le=256, description="torch intra-op threads on CPU")
 
 
+TENANT_HEADER = "X-Batchpilot-Tenant"
+DEFAULT_TENANT = "default"
+"""The tenant of a request that names none (no header, no ``parameters.tenant``)."""
+OTHER_TENANT = "other"
+"""The tenant of a request naming a tenant the policy does not declare."""
+MAX_TENANTS = 8
+"""Declared tenants at most: with ``default`` and ``other``, a ``tenant`` label takes at most 10 values."""
+TENANT_NAME_PATTERN = LANE_NAME_PATTERN
+HEADER_NAME_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9-]{0,62}$"
+
+
+class TenantsConfig(_Model):
+    """Which tenants the metrics tell apart (the ``tenant`` label), and where a request names its own.
+
+    A request's tenant is the ``header`` (default ``X-Batchpilot-Tenant``), else its
+    ``parameters.tenant``; a declared name is kept, any other name counts as ``other`` and a
+    request naming none as ``default``, so the label is bounded by the declared list.
+    """
+
+    names: list[str] = Field(default_factory=list, max_length=MAX_TENANTS)
+    header: str = Field(default=TENANT_HEADER, pattern=HEADER_NAME_PATTERN)
+
+    @model_validator(mode="after")
+    def _names(self) -> TenantsConfig:
+        for name in self.names:
+            if not re.match(TENANT_NAME_PATTERN, name):
+                raise ValueError(f"tenant name {name!r} must match {TENANT_NAME_PATTERN} (like a lane name)")
+            if name in (DEFAULT_TENANT, OTHER_TENANT):
+                raise ValueError(f"tenant name {name!r} is reserved (requests naming no tenant, or an undeclared one)")
+        if len(set(self.names)) != len(self.names):
+            raise ValueError("tenants: names must be unique")
+        return self
+
+    def label(self, named: str | None) -> str:
+        """The ``tenant`` label of a request that named ``named`` (None or empty: none)."""
+        if not named or named == DEFAULT_TENANT:
+            return DEFAULT_TENANT
+        return named if named in self.names else OTHER_TENANT
+
+    @property
+    def labels(self) -> list[str]:
+        """Every value the ``tenant`` label can take."""
+        return [*self.names, DEFAULT_TENANT, OTHER_TENANT]
+
+
 class RuntimeConfig(_Model):
     """The whole runtime configuration of one revision (the ConfigMap's ``config.json``)."""
 
@@ -156,6 +201,13 @@ class RuntimeConfig(_Model):
     default_lane: str | None = Field(default=None, alias="defaultLane")
     port: int = Field(default=8000, ge=1, le=65535)
     drain_timeout: Duration = Field(default=30.0, alias="drainTimeout")
+    tenants: TenantsConfig | None = Field(
+        default=None, description="absent: every request is tenant 'default' (the config of a policy without tenants)"
+    )
+
+    @property
+    def tenant_config(self) -> TenantsConfig:
+        return self.tenants or TenantsConfig()
 
     @model_validator(mode="after")
     def _lanes_consistent(self) -> RuntimeConfig:

@@ -1,7 +1,12 @@
 """Prometheus metrics of the runtime, in a private registry (names are a contract: see README).
 
-Every series carries ``lane`` and ``revision`` (the revision from the config); track, policy and
-namespace come from Prometheus target labels, never from here.
+Every series carries ``lane`` and ``revision`` (the revision from the config); track, policy,
+namespace and environment come from Prometheus target labels, never from here. The per-request
+series (latency, queue age, requests) carry ``tenant`` too, one of the policy's declared tenants,
+``default`` or ``other`` (see :class:`batchpilot_runtime.config.TenantsConfig`), and the request
+counter the HTTP status ``code`` it was answered with; per-batch series (execution time, batch
+size, cut delay) do not: a batch mixes tenants. Tenant children are created on a tenant's first
+request, so a tenant that sends nothing costs no series.
 """
 
 from __future__ import annotations
@@ -12,6 +17,8 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, gene
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
+from batchpilot_runtime.config import DEFAULT_TENANT
+
 # Seconds: 100us .. 10s, dense around the 1-100 ms range where SLOs are set, so that
 # histogram_quantile() interpolates within a narrow bucket at typical p99 targets.
 LATENCY_BUCKETS = (
@@ -21,6 +28,15 @@ LATENCY_BUCKETS = (
 BATCH_BUCKETS = tuple(float(2**i) for i in range(13))  # 1 .. 4096 rows
 
 OUTCOMES = ("ok", "rejected_full", "timed_out", "invalid", "failed", "unavailable")
+CODES = {
+    "ok": "200",
+    "rejected_full": "429",
+    "timed_out": "504",
+    "failed": "500",
+    "unavailable": "503",
+    "invalid": "400",
+}
+"""The status code each outcome is answered with (``invalid`` may also be 404: an unknown model)."""
 UNKNOWN_LANE = "_unknown"
 """Lane label for requests naming a lane that does not exist (lane names never start with '_')."""
 
@@ -68,16 +84,17 @@ class Metrics:
         self.registry = CollectorRegistry(auto_describe=True)
         self.revision = revision
         labels = ["lane", "revision"]
+        tenant_labels = ["lane", "revision", "tenant"]
         r = self.registry
         self.latency = Histogram(
             "batchpilot_request_latency_seconds",
             "End-to-end time from request arrival to response, for requests admitted to a lane queue",
-            labels, buckets=LATENCY_BUCKETS, registry=r,
+            tenant_labels, buckets=LATENCY_BUCKETS, registry=r,
         )  # fmt: skip
         self.queue_age = Histogram(
             "batchpilot_queue_age_seconds",
             "Time a request waited in its lane queue until dispatched into a batch or timed out",
-            labels, buckets=LATENCY_BUCKETS, registry=r,
+            tenant_labels, buckets=LATENCY_BUCKETS, registry=r,
         )  # fmt: skip
         self.exec_time = Histogram(
             "batchpilot_model_execution_seconds",
@@ -93,7 +110,12 @@ class Metrics:
             "load-dependent delay before dispatch (event loop and model thread sharing cores)",
             labels, buckets=LATENCY_BUCKETS, registry=r,
         )  # fmt: skip
-        self.requests = Counter("batchpilot_requests", "Requests by outcome", [*labels, "outcome"], registry=r)
+        self.requests = Counter(
+            "batchpilot_requests",
+            "Requests by outcome and status code",
+            [*tenant_labels, "outcome", "code"],
+            registry=r,
+        )
         self.info = Gauge(
             "batchpilot_runtime_info", "Runtime build and placement (always 1)",
             ["revision", "model", "device", "dtype"], registry=r,
@@ -103,21 +125,47 @@ class Metrics:
         if busy is not None:
             r.register(_BusyCollector(revision, busy))
         # Pre-bound children: one dict lookup per observation on the hot path.
-        all_lanes = [*lanes, UNKNOWN_LANE]
-        self.lat = {lane: self.latency.labels(lane, revision) for lane in lanes}
-        self.age = {lane: self.queue_age.labels(lane, revision) for lane in lanes}
+        self.lanes = frozenset(lanes)
+        self.lat: dict[tuple[str, str], Histogram] = {}
+        self.age: dict[tuple[str, str], Histogram] = {}
         self.exe = {lane: self.exec_time.labels(lane, revision) for lane in lanes}
         self.rows = {lane: self.batch_rows.labels(lane, revision) for lane in lanes}
         self.cut = {lane: self.cut_delay.labels(lane, revision) for lane in lanes}
-        self.count = {
-            (lane, outcome): self.requests.labels(lane, revision, outcome) for lane in all_lanes for outcome in OUTCOMES
-        }
+        self.count: dict[tuple[str, str, str, str], Counter] = {}
+        # The tenant every request has when the policy declares none: its series exist from
+        # the start, as they did before tenants (a rate over a counter that appears later
+        # misses its first increments).
+        for lane in lanes:
+            self.latency_of(lane, DEFAULT_TENANT)
+            self.queue_age_of(lane, DEFAULT_TENANT)
+        for lane in [*lanes, UNKNOWN_LANE]:
+            for outcome in OUTCOMES:
+                self._counter(lane, DEFAULT_TENANT, outcome, CODES[outcome])
 
-    def outcome(self, lane: str, outcome: str) -> None:
-        child = self.count.get((lane, outcome))
+    def latency_of(self, lane: str, tenant: str) -> Histogram:
+        child = self.lat.get((lane, tenant))
         if child is None:
-            child = self.count[(UNKNOWN_LANE, outcome)]
-        child.inc()
+            child = self.lat[(lane, tenant)] = self.latency.labels(lane, self.revision, tenant)
+        return child
+
+    def queue_age_of(self, lane: str, tenant: str) -> Histogram:
+        child = self.age.get((lane, tenant))
+        if child is None:
+            child = self.age[(lane, tenant)] = self.queue_age.labels(lane, self.revision, tenant)
+        return child
+
+    def _counter(self, lane: str, tenant: str, outcome: str, code: str) -> Counter:
+        key = (lane, tenant, outcome, code)
+        child = self.count.get(key)
+        if child is None:
+            child = self.count[key] = self.requests.labels(lane, self.revision, tenant, outcome, code)
+        return child
+
+    def outcome(self, lane: str, outcome: str, tenant: str = DEFAULT_TENANT, code: int | None = None) -> None:
+        """Count one answered request (``tenant`` already bounded by the config's tenant list)."""
+        if lane not in self.lanes:
+            lane = UNKNOWN_LANE
+        self._counter(lane, tenant, outcome, CODES[outcome] if code is None else str(code)).inc()
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

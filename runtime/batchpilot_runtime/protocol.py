@@ -35,6 +35,8 @@ class InferRequest:
     data: np.ndarray[Any, Any]
     lane: str | None
     binary_output: bool
+    tenant: str | None = None
+    """``parameters.tenant``: the client's own name for itself (the tenant header wins over it)."""
 
 
 def _fail(msg: str) -> InvalidRequest:
@@ -112,6 +114,9 @@ def parse_infer(body: bytes, spec: TensorSpec, json_length: int | None = None) -
     lane = req_params.get("lane")
     if lane is not None and not isinstance(lane, str):
         raise _fail("parameters.lane must be a string")
+    tenant = req_params.get("tenant")
+    if tenant is not None and not isinstance(tenant, str):
+        raise _fail("parameters.tenant must be a string")
     binary_output = bool(req_params.get("binary_data_output", False))
     outputs = doc.get("outputs")
     if outputs is not None:
@@ -129,7 +134,9 @@ def parse_infer(body: bytes, spec: TensorSpec, json_length: int | None = None) -
             if out_params.get("binary_data"):
                 binary_output = True
     rid = doc.get("id")
-    return InferRequest(id=None if rid is None else str(rid), data=arr, lane=lane, binary_output=binary_output)
+    return InferRequest(
+        id=None if rid is None else str(rid), data=arr, lane=lane, binary_output=binary_output, tenant=tenant
+    )
 
 
 def encode_response(

@@ -73,6 +73,7 @@ class Runtime:
         self.lane_names = [lane.name for lane in cfg.lanes]
         self.lane_index = {name: i for i, name in enumerate(self.lane_names)}
         self.default_lane = cfg.default_lane_name
+        self.tenant_cfg = cfg.tenant_config
         self.model: LoadedModel | None = None
         self.worker: BatchWorker | None = None
         self.metrics: Metrics | None = None
@@ -138,9 +139,8 @@ class Runtime:
         if m is not None:
             m.exe[lane].observe(exec_s)
             m.rows[lane].observe(batch.rows)
-            age = m.age[lane]
             for r in batch.requests:
-                age.observe(r.dispatched_at - r.arrival)
+                m.queue_age_of(lane, r.tenant).observe(r.dispatched_at - r.arrival)
             if batch.cut_delay is not None:
                 m.cut[lane].observe(batch.cut_delay)
                 self.capture.cut[batch.lane.index].add(batch.cut_delay)
@@ -177,7 +177,7 @@ class Runtime:
 
     def _answer_timeout(self, r: Pending) -> None:
         if self.metrics is not None:
-            self.metrics.age[self.lane_names[r.lane]].observe(time.perf_counter() - r.arrival)
+            self.metrics.queue_age_of(self.lane_names[r.lane], r.tenant).observe(time.perf_counter() - r.arrival)
         if not r.future.done():
             lane = self.cfg.lanes[r.lane]
             r.future.set_result(
@@ -322,15 +322,18 @@ class Runtime:
 
     async def _infer(self, request: web.Request, arrival: float) -> web.Response:
         header_lane = request.headers.get(LANE_HEADER)
+        tenants = self.tenant_cfg
+        header_tenant = request.headers.get(tenants.header)
+        tenant = tenants.label(header_tenant)
         m = self.metrics
         bad = self._check_model(request)
         if bad is not None:
             if m is not None:
-                m.outcome(UNKNOWN_LANE, "invalid")
+                m.outcome(UNKNOWN_LANE, "invalid", tenant, bad.status)
             return bad
         if self.draining or not self.ready or m is None or self.model is None or self.worker is None:
             if m is not None:
-                m.outcome(header_lane or self.default_lane, "unavailable")
+                m.outcome(header_lane or self.default_lane, "unavailable", tenant)
             why = "server is shutting down" if self.draining else "model is not ready yet"
             return _json_response(503, why, {"Retry-After": RETRY_AFTER_S})
         body = await request.read()
@@ -340,17 +343,19 @@ class Runtime:
             json_len = int(json_len_text) if json_len_text is not None else None
             parsed = parse_infer(body, spec, json_len)
         except (InvalidRequest, ValueError) as exc:
-            m.outcome(header_lane or self.default_lane, "invalid")
+            m.outcome(header_lane or self.default_lane, "invalid", tenant)
             return _json_response(400, str(exc))
+        if not header_tenant and parsed.tenant:  # the header wins over parameters.tenant
+            tenant = tenants.label(parsed.tenant)
         lane_name = header_lane or parsed.lane or self.default_lane
         idx = self.lane_index.get(lane_name)
         if idx is None:
-            m.outcome(UNKNOWN_LANE, "invalid")
+            m.outcome(UNKNOWN_LANE, "invalid", tenant)
             return _json_response(400, f"unknown lane {lane_name!r}; lanes are {self.lane_names}")
         lane_cfg = self.cfg.lanes[idx]
         rows = parsed.data.shape[0]
         if rows > lane_cfg.max_batch_size:
-            m.outcome(lane_name, "invalid")
+            m.outcome(lane_name, "invalid", tenant)
             return _json_response(
                 400,
                 f"request has {rows} rows, more than lane {lane_name!r} maxBatchSize "
@@ -358,11 +363,11 @@ class Runtime:
             )
         loop = asyncio.get_running_loop()
         fut: asyncio.Future[tuple[int, Any, int]] = loop.create_future()
-        req = Pending(parsed.data, idx, arrival, fut)
+        req = Pending(parsed.data, idx, arrival, fut, tenant)
         try:
             self.worker.submit(req)
         except QueueFull as exc:
-            m.outcome(lane_name, "rejected_full")
+            m.outcome(lane_name, "rejected_full", tenant)
             return _json_response(429, str(exc), {"Retry-After": RETRY_AFTER_S})
         self.inflight += 1
         remaining = lane_cfg.request_timeout - (time.perf_counter() - arrival)
@@ -375,23 +380,23 @@ class Runtime:
         finally:
             req.timer.cancel()
             self.inflight -= 1
-        latency = m.lat[lane_name]
+        latency = m.latency_of(lane_name, tenant)
         if kind == _OK:
             params = {"lane": lane_name, "batch_rows": batch_rows}
             body_out, headers = encode_response(
                 self.cfg.model.name, self.cfg.revision, parsed.id, payload, params, parsed.binary_output
             )
             resp = web.Response(body=body_out, content_type=JSON, headers=headers)
-            m.outcome(lane_name, "ok")
+            m.outcome(lane_name, "ok", tenant)
         elif kind == _TIMEOUT:
             resp = _json_response(504, payload)
-            m.outcome(lane_name, "timed_out")
+            m.outcome(lane_name, "timed_out", tenant)
         elif kind == _SHUTDOWN:
             resp = _json_response(503, payload, {"Retry-After": RETRY_AFTER_S})
-            m.outcome(lane_name, "unavailable")
+            m.outcome(lane_name, "unavailable", tenant)
         else:
             resp = _json_response(500, payload)
-            m.outcome(lane_name, "failed")
+            m.outcome(lane_name, "failed", tenant)
         latency.observe(time.perf_counter() - arrival)
         return resp
 

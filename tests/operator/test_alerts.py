@@ -90,7 +90,14 @@ def test_alerts_are_actionable() -> None:
 
 
 def test_dashboard_queries_are_valid_promql(tmp_path: Path) -> None:
-    subst = {"$__rate_interval": "5m", "$namespace": "ns", "$policy": "p", "${datasource}": "x"}
+    subst = {
+        "$__rate_interval": "5m",
+        "$namespace": "ns",
+        "$policy": "p",
+        "${datasource}": "x",
+        "$environment": ".*",
+        "$tenant": ".*",
+    }
     rules = []
     for i, expr in enumerate(dashboard_exprs()):
         for k, v in subst.items():
@@ -113,7 +120,29 @@ def test_dashboard_shows_what_on_call_needs() -> None:
         if "histogram_quantile" in t["expr"] and "by (revision, track, lane, le)" in t["expr"]
     ]
     assert len(per_revision_lane) == 2
-    assert {v["name"] for v in d["templating"]["list"]} == {"datasource", "namespace", "policy"}
+    assert {v["name"] for v in d["templating"]["list"]} == {
+        "datasource",
+        "namespace",
+        "policy",
+        "environment",
+        "tenant",
+    }
+
+
+def test_dashboard_and_alerts_slice_by_tenant_and_filter_by_environment() -> None:
+    # issue 12: per-tenant panels (p99 against the SLO, 4xx share per track), and every query
+    # of a runtime metric filters by the environment target label.
+    d = dashboard()
+    tenant_panels = [p for p in d["panels"] if "tenant" in p["title"]]
+    exprs = [t["expr"] for p in tenant_panels for t in p.get("targets", [])]
+    assert any("histogram_quantile" in e and "by (tenant, track, lane, le)" in e for e in exprs), exprs
+    assert any('outcome="invalid"' in e and "by (tenant, track, lane)" in e for e in exprs), exprs
+    runtime = [e for e in dashboard_exprs() if "batchpilot_operator" not in e]
+    assert runtime and all('environment=~"$environment"' in e for e in runtime), runtime
+    tenant_alerts = {a["alert"]: a for a in alerts() if "tenant" in a["expr"]}
+    assert set(tenant_alerts) == {"BatchpilotTenantLatencySLOBurn", "BatchpilotCanaryRejectsTenant"}
+    for a in tenant_alerts.values():
+        assert "$labels.tenant" in a["annotations"]["summary"], a["alert"]
 
 
 def _known_metrics() -> set[str]:

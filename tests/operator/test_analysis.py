@@ -59,7 +59,20 @@ def test_queries_are_exactly_the_documented_promql() -> None:
     assert lat.bad == f"sum by (le) (increase(batchpilot_request_latency_seconds_bucket{{{SEL}}}[30s]))"
     assert qa.bad == f"sum by (le) (increase(batchpilot_queue_age_seconds_bucket{{{SEL}}}[30s]))"
     assert err.bad == f"sum(increase(batchpilot_requests_total{{{errors}}}[30s])) or vector(0)"
-    assert q.all() == [lat.value, lat.samples, lat.bad, qa.value, qa.samples, qa.bad, err.value, err.samples, err.bad]
+    # Client-breaking changes (issue 12): the share of all requests answered 4xx, by code too.
+    rej = q.metric("clientErrors")
+    rejected = f'{SEL},outcome="invalid"'
+    assert rej.value == (
+        f"(sum(rate(batchpilot_requests_total{{{rejected}}}[30s])) or vector(0))"
+        f" / sum(rate(batchpilot_requests_total{{{SEL}}}[30s]))"
+    )
+    assert rej.samples == f"sum(increase(batchpilot_requests_total{{{SEL}}}[30s]))"
+    assert rej.bad == f"sum(increase(batchpilot_requests_total{{{rejected}}}[30s])) or vector(0)"
+    assert rej.codes == f"sum by (code) (increase(batchpilot_requests_total{{{rejected}}}[30s]))"
+    assert q.all() == [
+        *(lat.value, lat.samples, lat.bad, qa.value, qa.samples, qa.bad, err.value, err.samples, err.bad),
+        *(rej.value, rej.samples, rej.bad, rej.codes),
+    ]
     with pytest.raises(KeyError):
         q.metric("nope")  # type: ignore[arg-type]
 
@@ -210,7 +223,15 @@ class DictBackend:
             track = "stable" if 'track="stable"' in query else "canary"
             lane = "background" if 'lane="background"' in query else "interactive"
             metric = "queueAge" if "queue_age" in query else "errorRate" if "requests_total" in query else "p99Latency"
-            value, samples, bad = self.table.get((track, lane, metric), (None, None, None))
+            if "requests_total" in query and "outcome!=" not in query and "outcome=~" not in query:
+                metric = "clientErrors"  # every request, or the rejected ones (outcome="invalid")
+            if metric == "clientErrors" and (track, lane, metric) not in self.table:
+                # no 4xx unless a row says so: as many requests as were served, none rejected
+                served = self.table.get((track, lane, "errorRate"), (None, None, None))[1]
+                row: Row = (0.0, served, 0.0) if served is not None else (None, None, None)
+            else:
+                row = self.table.get((track, lane, metric), (None, None, None))
+            value, samples, bad = row
             raw = "increase(" not in query and "rate(" not in query
             if raw and samples is not None:  # a cumulative counter, started 1000s before NOW
                 scale = ((at or NOW.timestamp()) - NOW.timestamp() + 1000) / 30
@@ -218,7 +239,9 @@ class DictBackend:
             if query.startswith("sum by (le)"):
                 n, k = samples or 0.0, bad or 0.0
                 out[query] = Measurement(query, buckets=((1e-6, n - k), (math.inf, n)) if samples else ())
-            elif "outcome=~" in query and query.startswith("sum("):
+            elif query.startswith("sum by (code)"):
+                out[query] = Measurement(query, groups=(("400", bad),) if bad else None)
+            elif ("outcome=~" in query or 'outcome="invalid"' in query) and query.startswith("sum("):
                 out[query] = Measurement(query, value=bad)
             else:
                 out[query] = Measurement(
@@ -263,9 +286,10 @@ def _analyse(backend: MetricsBackend, spec: PolicySpec | None = None) -> Analysi
 def test_run_analysis_all_lanes_successful_with_stable_evidence() -> None:
     backend = DictBackend(_table())
     result = _analyse(backend)
-    # The window (2 lanes x 2 tracks x 3 metrics x 3 queries), then the raw counters (requests
-    # and bad events of each) at the 6 boundaries of the 5 sub-windows of 6s, oldest first.
-    assert [len(c) for c in backend.calls] == [36] + [24] * (SLICES + 1)
+    # The window (2 lanes x 2 tracks x (3 objectives x 3 queries + the 4xx share's 4)), then the
+    # raw counters (requests and bad events of each of the 4) at the 6 boundaries of the 5
+    # sub-windows of 6s, oldest first.
+    assert [len(c) for c in backend.calls] == [52] + [32] * (SLICES + 1)
     assert not any("increase(" in q or "rate(" in q for c in backend.calls[1:] for q in c)
     end = NOW.timestamp()
     assert backend.at == [end, end - 30, end - 24, end - 18, end - 12, end - 6, end]

@@ -104,6 +104,13 @@ INVALID: list[tuple[str, Callable[[dict[str, Any]], None], str]] = [
     ("error-rate-negative", _set("lanes.1.slo.maxErrorRate", -0.1), "maxErrorRate"),
     ("error-rate-not-a-number", _set("slo.maxErrorRate", "1%"), "maxErrorRate"),
     ("error-rate-quoted", _set("slo.maxErrorRate", "0.05"), "maxErrorRate"),
+    # issue 12: the tenant list is bounded (the runtime's tenant label takes at most 10 values)
+    ("tenants-too-many", _set("tenants", {"names": [f"t{i}" for i in range(9)]}), "names"),
+    ("tenants-empty", _set("tenants", {"names": []}), "names"),
+    ("tenants-duplicate", _set("tenants", {"names": ["a", "a"]}), "must be unique"),
+    ("tenants-reserved", _set("tenants", {"names": ["a", "other"]}), "reserved"),
+    ("tenants-name-invalid", _set("tenants", {"names": ["Team_A"]}), "names"),
+    ("tenants-header-invalid", _set("tenants", {"names": ["a"], "header": "X Tenant"}), "header"),
 ]
 
 # Types: the CRD's OpenAPI types are strict (no "8" for an integer, no 5 for a duration string);

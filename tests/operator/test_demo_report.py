@@ -196,3 +196,35 @@ def test_report_queries_on_a_real_runtime_and_prometheus(tmp_path: Path, prometh
     (row,) = data.summary
     assert row["throughput"] > 1 and row["meanBatchRows"] >= 1
     assert 0 < row["p99Latency"] < 5 and row["p99QueueAge"] >= 0
+    # Per tenant (issue 12): this runtime declares none, so every request is tenant "default".
+    (tenant,) = data.tenants
+    assert (tenant["revision"], tenant["track"], tenant["tenant"]) == ("aaa", "stable", "default")
+    assert 0 < tenant["p99Latency"] < 5 and tenant["requests"] >= 1
+
+
+def test_tenant_table_shows_each_clients_p99() -> None:
+    from batchpilot_operator.localdev.demo import tenant_rows, tenant_table
+
+    def sample(rev: str, track: str, tenant: str, value: float) -> dict[str, Any]:
+        return {"metric": {"revision": rev, "track": track, "tenant": tenant}, "value": [0, str(value)]}
+
+    rows = tenant_rows(
+        [
+            sample("bbb", "canary", "web", 0.03),
+            sample("bbb", "canary", "mobile", 0.2),
+            sample("aaa", "stable", "web", 0.02),
+        ],
+        [
+            sample("bbb", "canary", "web", 900),
+            sample("bbb", "canary", "mobile", 100),
+            sample("aaa", "stable", "web", 5000),
+        ],
+        ["aaa", "bbb"],
+    )
+    assert [(r["revision"], r["tenant"], r["requests"]) for r in rows] == [
+        ("aaa", "web", 5000),
+        ("bbb", "mobile", 100),
+        ("bbb", "web", 900),
+    ]
+    text = tenant_table(rows)
+    assert "mobile" in text and "200.0ms" in text and "30.0ms" in text

@@ -237,12 +237,17 @@ def test_podmonitor_relabels_into_the_labels_analysis_queries() -> None:
         "revision": [meta(children.LABEL_REVISION)],
         "track": [meta(children.LABEL_TRACK)],
         "pod": ["__meta_kubernetes_pod_name"],
+        "environment": [meta(children.LABEL_ENVIRONMENT)],
     }
-    # the analysis selects on exactly these (plus lane, from the runtime)
+    # the analysis selects on exactly these (plus lane and tenant, from the runtime; environment
+    # when the policy has one, and then its pods carry the label the PodMonitor reads)
     from batchpilot_operator.analysis import selector
 
-    sel = selector(namespace="n", policy="p", track="t", revision="r", lane="l")
-    assert set(re.findall(r"(\w+)=", sel)) == {*relabel} - {"pod"} | {"lane"}
+    sel = selector(namespace="n", policy="p", track="t", revision="r", lane="l", tenant="a", environment="prod")
+    assert set(re.findall(r"(\w+)=", sel)) == {*relabel} - {"pod"} | {"lane", "tenant"}
+    labelled = children.build_deployment("p", "ns", "u", spec, "canary", "r", 1, environment="prod")
+    assert labelled["spec"]["template"]["metadata"]["labels"][children.LABEL_ENVIRONMENT] == "prod"
+    assert children.LABEL_ENVIRONMENT not in pod_labels
 
 
 def test_dashboard_configmap_is_picked_up_by_the_grafana_sidecar() -> None:

@@ -76,7 +76,7 @@ def measured(
         if lq.track == "stable":
             lane_p99, lane_qa, lane_err, lane_error = 0.05, 0.005, 0.0, False
         for m in lq.metrics:
-            value = {"p99Latency": lane_p99, "queueAge": lane_qa, "errorRate": lane_err}[m.metric]
+            value = {"p99Latency": lane_p99, "queueAge": lane_qa, "errorRate": lane_err, "clientErrors": 0.0}[m.metric]
             if lane_error:
                 for q in (m.value, m.samples, m.bad):
                     ms[q] = Measurement(q, error="prometheus unreachable")
@@ -86,7 +86,7 @@ def measured(
             # The bad events behind the value: half the requests over a breached latency
             # objective (a clear breach), the error rate's share of errors.
             n = lane_samples if lane_samples == lane_samples else 0.0  # NaN: no data
-            if m.metric == "errorRate":
+            if m.metric in ("errorRate", "clientErrors"):
                 ms[m.bad] = Measurement(m.bad, value=value * n if value == value else None)
             else:
                 k = n / 2 if value == value and value > thresholds[m.metric] else 0.0
@@ -876,7 +876,7 @@ def test_ledger_and_history_are_bounded() -> None:
         d = sim.tick(at(30 * i), samples=1)
     assert len(d.status.ledger) == LEDGER_LIMIT
     assert d.status.ledger[-1].time == at(30 * 59)
-    assert d.status.ledger[-1].kind == "Analysis" and d.status.ledger[-1].metric == "errorRate"
+    assert d.status.ledger[-1].kind == "Analysis" and d.status.ledger[-1].metric == "clientErrors"  # the last objective
 
 
 def test_history_limit_prunes_revision_configmaps() -> None:

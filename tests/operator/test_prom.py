@@ -171,9 +171,9 @@ def test_backend_measures_p99_and_samples_from_real_prometheus(
     other = build_queries(policy="chat", namespace="ml", track="canary", revision="zz", lane="interactive", window=10)
     none = backend.measure(other.all())
     # (the error count alone answers 0: "or vector(0)" makes a missing error series no errors)
-    no_errors = other.metric("errorRate").bad
-    assert all(m.error is None and m.value is None and not m.buckets for q, m in none.items() if q != no_errors)
-    assert none[no_errors].value == 0
+    no_errors = (other.metric("errorRate").bad, other.metric("clientErrors").bad)
+    assert all(m.error is None and m.value is None and not m.buckets for q, m in none.items() if q not in no_errors)
+    assert [none[q].value for q in no_errors] == [0, 0]
 
     # the verdict end to end: canary p99 0.235s > SLO 120ms with enough samples -> Failed;
     # the stable track's (5x lower) values come back as evidence

@@ -46,6 +46,8 @@ CHANGES = [
     ("bad change: batch 64, window 110ms under a 120ms p99 SLO", DEMO_DIR / "3-bad-change.yaml"),
 ]
 POLICY, NAMESPACE, MODEL = "demo-embedder", "demo", "mlp"
+TENANTS = [("web", 0.75), ("mobile", 0.25)]
+"""The demo policy's spec.tenants and each one's share of the replayed requests."""
 DEFAULT_TRACE = REPO_ROOT.parent / "shared" / "traces" / "azure-llm-2023-code.csv"
 
 
@@ -146,8 +148,14 @@ class Demo:
             f"replaying {trace.count} arrivals of {self.trace.name} (burstiness: gap CV {trace.gap_cv():.1f}) "
             f"time-scaled to {self.rate:.0f} req/s, open loop"
         )
+        self.say(
+            f"two clients share it: {', '.join(f'{t} {w:.0%}' for t, w in TENANTS)} of the requests (X-Batchpilot-Tenant)"
+        )
         self.replay = TraceReplay(
-            trace.scaled_arrivals(self.rate), lambda: self.harness.endpoints(POLICY) if self.harness else [], MODEL
+            trace.scaled_arrivals(self.rate),
+            lambda: self.harness.endpoints(POLICY) if self.harness else [],
+            MODEL,
+            tenants=TENANTS,
         ).start()
         time.sleep(5)  # a few seconds of steady traffic on the stable revision before changing it
 
@@ -279,6 +287,9 @@ class ReportData:
     """(seconds since start, ledger kind, revision), in time order."""
     summary: list[dict[str, Any]] = field(default_factory=list)
     """per revision and track: served req/s, mean batch rows, p99 latency and queue age over the run."""
+    tenants: list[dict[str, Any]] = field(default_factory=list)
+    """per revision, track and tenant: requests and p99 latency over the run (the slices the
+    canary analysis judges)."""
 
 
 LATENCY, QUEUE_AGE, THROUGHPUT, BATCH = "p99 latency", "p99 queue age", "throughput", "mean batch size"
@@ -362,7 +373,31 @@ def collect_report(demo: Demo, final_status: dict[str, Any]) -> ReportData:
     p99, queue_age = _demo_slo()
     data = ReportData(start, end, panels, {LATENCY: p99, QUEUE_AGE: queue_age}, events)
     data.summary = summarize(data, run_p99)
+    per_tenant = f"{by}, tenant"
+    latency = "batchpilot_request_latency_seconds"
+    data.tenants = tenant_rows(
+        demo.prom.query(
+            f"histogram_quantile(0.99, sum by (le, {per_tenant}) (increase({latency}_bucket{{{sel}}}[{window}])))"
+        ),
+        demo.prom.query(f"sum by ({per_tenant}) (increase({latency}_count{{{sel}}}[{window}]))"),
+        [rev for _, _, rev in data.events],
+    )
     return data
+
+
+def tenant_rows(p99: list[dict[str, Any]], counts: list[dict[str, Any]], order: list[str]) -> list[dict[str, Any]]:
+    """Per (revision, track, tenant): served requests and p99 latency over the run."""
+    rows: dict[tuple[str, str, str], dict[str, Any]] = {}
+    for samples, key in ((p99, "p99Latency"), (counts, "requests")):
+        for sample in samples:
+            labels = sample["metric"]
+            rev, track = _key(labels)
+            tenant = labels.get("tenant", "?")
+            value = float(sample["value"][1])
+            if math.isfinite(value):
+                rows.setdefault((rev, track, tenant), {"revision": rev, "track": track, "tenant": tenant})[key] = value
+    rank = {rev: i for i, rev in enumerate(order)}
+    return sorted(rows.values(), key=lambda r: (rank.get(r["revision"], -1), r["revision"], r["track"], r["tenant"]))
 
 
 def _points(series: dict[str, Any], start: float) -> list[tuple[float, float]]:
@@ -533,6 +568,18 @@ def summary_table(rows: list[dict[str, Any]]) -> str:
     return "\n".join(lines)
 
 
+def tenant_table(rows: list[dict[str, Any]]) -> str:
+    """Per-tenant p99 per revision and track (what each client felt; the canary is judged per tenant)."""
+    lines = [f"{'revision':<12}{'track':<8}{'tenant':<10}{'requests':>10}{'p99 latency':>13}"]
+    for r in rows:
+        p99 = r.get("p99Latency")
+        lines.append(
+            f"{r['revision']:<12}{r['track']:<8}{r['tenant']:<10}{r.get('requests', 0.0):>10.0f}"
+            f"{'-' if p99 is None else f'{p99 * 1e3:.1f}ms':>13}"
+        )
+    return "\n".join(lines)
+
+
 def write_report(demo: Demo, final_status: dict[str, Any], out: Path) -> Path:
     """PNG plot per revision/track over time (p99 latency and queue age against the SLO,
     throughput, mean batch size) with the rollout's events labelled, plus the ledger and a
@@ -549,7 +596,10 @@ def write_report(demo: Demo, final_status: dict[str, Any], out: Path) -> Path:
     (out / "history.json").write_text(json.dumps(final_status.get("history", []), indent=2))
     (out / "series.json").write_text(json.dumps(data.panels))
     (out / "summary.json").write_text(json.dumps(data.summary, indent=2))
-    (out / "summary.txt").write_text(summary_table(data.summary) + "\n")
+    (out / "tenants.json").write_text(json.dumps(data.tenants, indent=2))
+    (out / "summary.txt").write_text(
+        summary_table(data.summary) + "\n\nper tenant:\n" + tenant_table(data.tenants) + "\n"
+    )
     return png
 
 
@@ -575,6 +625,8 @@ def run_demo(workdir: Path, rate: float, trace: Path) -> int:
         console.rule("kubectl batchpilot recommend")
         console.print(demo.plugin("recommend", "--since", "10m"), markup=False, highlight=False)
         png = write_report(demo, demo.status() or final, workdir / "report")
+        console.rule("p99 latency per tenant (report/tenants.json)")
+        console.print(tenant_table(json.loads((workdir / "report" / "tenants.json").read_text())), markup=False)
     console.rule("done")
     console.print(f"report: {png} (ledger.json and history.json beside it)")
     console.print(f"scenario finished in {time.monotonic() - t0:.0f}s; everything it started has been stopped")

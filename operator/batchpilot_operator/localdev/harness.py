@@ -5,7 +5,8 @@ the container runtime: for every running pod of a batchpilot Deployment in a nam
 starts ``python -m batchpilot_runtime.server`` with that pod's revision config (read from the
 ConfigMap the pod mounts) and track, and registers it as a target of the local Prometheus (file_sd)
 labelled like the pod would be by the PodMonitor: ``namespace``, ``policy``, ``revision``,
-``track``, ``pod``. When a pod goes away its process is drained with SIGTERM.
+``track``, ``pod``, and ``environment`` from the pod's ``batchpilot.dev/environment`` label.
+When a pod goes away its process is drained with SIGTERM.
 
 Traffic is spread over the processes of a policy as a Service spreads it over ready
 endpoints: uniformly per pod, so the canary's share follows its share of pods.
@@ -28,7 +29,7 @@ from typing import Any
 
 from kubernetes import client, config
 
-from batchpilot_operator.children import CONFIG_KEY, LABEL_POLICY, LABEL_REVISION, LABEL_TRACK
+from batchpilot_operator.children import CONFIG_KEY, LABEL_ENVIRONMENT, LABEL_POLICY, LABEL_REVISION, LABEL_TRACK
 from batchpilot_operator.localdev import free_port, podnet
 from batchpilot_operator.localdev.cluster import POD_ROUTES
 from batchpilot_operator.localdev.prometheus import PrometheusServer, ScrapeTarget
@@ -46,6 +47,7 @@ class RuntimeProcess:
     pod_ip: str | None = None
     pod_port: int | None = None
     model: str = ""
+    environment: str | None = None
 
     @property
     def url(self) -> str:
@@ -201,6 +203,7 @@ class RuntimeHarness:
             pod_ip=pod_ip,
             pod_port=pod_port,
             model=str(cfg.get("model", {}).get("name", "")),
+            environment=labels.get(LABEL_ENVIRONMENT),
         )
 
     def _terminate(self, name: str) -> None:
@@ -236,7 +239,9 @@ class RuntimeHarness:
                         "revision": p.revision,
                         "track": p.track,
                         "pod": p.pod,
-                    },
+                    }
+                    # as the PodMonitor relabels the pod's batchpilot.dev/environment label
+                    | ({"environment": p.environment} if p.environment else {}),
                 )
                 for p in self.procs.values()
                 if p.ready

@@ -10,6 +10,7 @@ time and kept per (revision, track) for progress lines; the SLO verdicts come fr
 from __future__ import annotations
 
 import asyncio
+import json
 import random
 import threading
 import time
@@ -20,6 +21,7 @@ from dataclasses import dataclass, field
 import aiohttp
 
 from batchpilot_operator.localdev.harness import RuntimeProcess
+from batchpilot_runtime.config import TENANT_HEADER
 
 ROW = [round(random.Random(7).uniform(-1, 1), 4) for _ in range(512)]
 
@@ -47,8 +49,16 @@ class TraceReplay:
         lane: str | None = None,
         seed: int = 1,
         body: Mapping[str, object] | None = None,
+        headers: Mapping[str, str] | None = None,
+        tenants: Sequence[tuple[str, float]] | None = None,
+        raw: bytes | None = None,
     ) -> None:
-        """``body``: the infer request to send (default: one FP32 row of 512, the MLPs' input)."""
+        """``body``: the infer request to send (default: one FP32 row of 512, the MLPs' input);
+        ``headers``: extra request headers (e.g. the tenant's, ``X-Batchpilot-Tenant``);
+        ``tenants``: (name, weight) pairs: each request names one, drawn by weight, in the
+        ``X-Batchpilot-Tenant`` header (several clients sharing the policy); ``raw``: a ready
+        request body sent instead of ``body`` (e.g. the binary tensor extension, with its
+        ``Inference-Header-Content-Length`` in ``headers``: many rows without 40 KB of JSON)."""
         if not arrivals:
             raise ValueError("empty arrival trace")
         self.arrivals = list(arrivals)
@@ -56,6 +66,10 @@ class TraceReplay:
         self.model = model
         self.lane = lane
         self.body = body
+        self.raw = raw
+        self.extra_headers = dict(headers or {})
+        self.tenants = [name for name, _ in tenants or []]
+        self.tenant_weights = [weight for _, weight in tenants or []]
         self.rng = random.Random(seed)
         self.stats: dict[tuple[str, str], TrackStats] = defaultdict(TrackStats)
         self.dropped_no_endpoint = 0
@@ -82,6 +96,8 @@ class TraceReplay:
             "inputs": [{"name": "input", "shape": [1, 512], "datatype": "FP32", "data": ROW}]
         }
         headers = {"X-Batchpilot-Lane": self.lane} if self.lane else {}
+        headers |= {"Content-Type": "application/json"} | self.extra_headers
+        payload = self.raw if self.raw is not None else json.dumps(body).encode()  # encoded once
         period = self.arrivals[-1] + max(1e-3, self.arrivals[-1] / max(1, len(self.arrivals)))
         conn = aiohttp.TCPConnector(limit=512)
         timeout = aiohttp.ClientTimeout(total=30)
@@ -102,7 +118,11 @@ class TraceReplay:
                         self.dropped_no_endpoint += 1
                         continue
                     target = self.rng.choice(targets)
-                    task = asyncio.create_task(self._send(session, target, body, headers, scheduled))
+                    sent = headers
+                    if self.tenants:
+                        tenant = self.rng.choices(self.tenants, self.tenant_weights)[0]
+                        sent = headers | {TENANT_HEADER: tenant}
+                    task = asyncio.create_task(self._send(session, target, payload, sent, scheduled))
                     pending.add(task)
                     task.add_done_callback(pending.discard)
                 loop_index += 1
@@ -113,14 +133,15 @@ class TraceReplay:
         self,
         session: aiohttp.ClientSession,
         target: RuntimeProcess,
-        body: Mapping[str, object],
+        payload: bytes,
         headers: dict[str, str],
         scheduled: float,
     ) -> None:
         stats = self.stats[(target.revision, target.track)]
         stats.sent += 1
         try:
-            async with session.post(f"{target.url}/v2/models/{self.model}/infer", json=body, headers=headers) as r:
+            url = f"{target.url}/v2/models/{self.model}/infer"
+            async with session.post(url, data=payload, headers=headers) as r:
                 await r.read()
                 ok = r.status == 200
         except (aiohttp.ClientError, TimeoutError):

@@ -96,8 +96,14 @@ def summary(obj: dict[str, Any], decisions: int = 8) -> dict[str, Any]:
     la = status.last_analysis
     if la is not None:
         for lane in la.lanes:
+            extra: dict[str, Any] = {}
+            if lane.rejected is not None or lane.stable_rejected is not None:
+                extra |= {"rejected": lane.rejected, "stableRejected": lane.stable_rejected}
+            if lane.tenants:
+                extra["tenants"] = [t.model_dump(mode="json", by_alias=True) for t in lane.tenants]
             lanes.append(
-                {
+                extra
+                | {
                     "lane": lane.lane,
                     "outcome": lane.outcome,
                     "p99Latency": lane.p99_latency,
@@ -250,6 +256,34 @@ def status_view(s: dict[str, Any]) -> RenderableType:
                 _pct(lane["stableErrorRate"]),
             )
         parts.append(t)
+        tenant_rows = [(lane, t) for lane in s["lanes"] for t in lane.get("tenants") or []]
+        if tenant_rows:
+            t = Table(title="Tenant slices (thin: too few requests to judge, counted for nothing)")
+            for col in (
+                "lane",
+                "tenant",
+                "outcome",
+                "p99 / SLO",
+                "stable p99",
+                "rejected 4xx",
+                "stable 4xx",
+                "requests",
+            ):
+                t.add_column(col)
+            t.add_column("evidence", overflow="fold")
+            for lane, ten in tenant_rows:
+                t.add_row(
+                    lane["lane"],
+                    ten["tenant"],
+                    "thin" if ten.get("thin") else _styled(ten["outcome"], OUTCOME_STYLE),
+                    _vs(ten.get("p99Latency"), lane["p99LatencySlo"]),
+                    _ms(ten.get("stableP99Latency")),
+                    _pct(ten.get("rejected")),
+                    _pct(ten.get("stableRejected")),
+                    "n/a" if ten.get("requests") is None else f"{ten['requests']:.0f}",
+                    ten.get("evidence") or "",
+                )
+            parts.append(t)
 
     if s["conditions"]:
         t = Table(title="Conditions")
