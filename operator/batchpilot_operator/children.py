@@ -243,3 +243,62 @@ def build_service(policy: str, namespace: str, uid: str) -> Manifest:
             },
         }
     )
+
+
+# --------------------------------------------------------------------------- pods in trouble
+# issue 11 (drills): why a track's pods are not ready, in words, for the CanaryNotReady
+# rollback's evidence and the Degraded condition. Only real trouble counts (a pod that is
+# merely starting says nothing), so a routine scale-up raises no Warning.
+
+TROUBLE_WAITING_REASONS = frozenset(
+    {
+        "CrashLoopBackOff",
+        "ImagePullBackOff",
+        "ErrImagePull",
+        "InvalidImageName",
+        "CreateContainerConfigError",
+        "CreateContainerError",
+        "RunContainerError",
+    }
+)
+TROUBLE_LIMIT = 3
+"""Pods named in a summary; the rest are counted."""
+
+
+def _pod_problem(pod: Manifest, lost_nodes: frozenset[str]) -> str | None:
+    status = pod.get("status") or {}
+    conditions = {c.get("type"): c for c in status.get("conditions") or []}
+    scheduled = conditions.get("PodScheduled")
+    if scheduled is not None and scheduled.get("status") == "False":
+        reason = scheduled.get("reason") or "NotScheduled"
+        return f"{reason}: {scheduled.get('message', '')}".strip().rstrip(":")
+    for cs in status.get("containerStatuses") or []:
+        waiting = (cs.get("state") or {}).get("waiting") or {}
+        if waiting.get("reason") in TROUBLE_WAITING_REASONS:
+            detail = waiting.get("message") or ""
+            restarts = cs.get("restartCount", 0)
+            text = f"{waiting['reason']} (container {cs.get('name')}, {restarts} restarts)"
+            return f"{text}: {detail}" if detail else text
+    node = (pod.get("spec") or {}).get("nodeName")
+    if node and node in lost_nodes:
+        return f"node {node} is not Ready"
+    ready = conditions.get("Ready")
+    if node and ready is not None and ready.get("status") == "False" and ready.get("reason") == "NodeNotReady":
+        return f"node {node} is not Ready"
+    return None
+
+
+def pod_trouble(pods: list[Manifest], lost_nodes: frozenset[str] = frozenset()) -> str:
+    """One line on the pods that are in trouble (``""`` when none is): unschedulable (with the
+    scheduler's message), a container crash-looping or failing to pull, or on a node that
+    is not Ready (``lost_nodes``). Terminating pods are skipped."""
+    problems: list[str] = []
+    for pod in sorted(pods, key=lambda p: p["metadata"]["name"]):
+        if pod["metadata"].get("deletionTimestamp"):
+            continue
+        problem = _pod_problem(pod, lost_nodes)
+        if problem:
+            problems.append(f"pod {pod['metadata']['name']}: {problem}")
+    if len(problems) > TROUBLE_LIMIT:
+        problems = [*problems[:TROUBLE_LIMIT], f"and {len(problems) - TROUBLE_LIMIT} more"]
+    return "; ".join(problems)
