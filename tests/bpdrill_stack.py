@@ -23,6 +23,7 @@ import threading
 import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
+from datetime import datetime
 from pathlib import Path
 from typing import Any
 
@@ -125,8 +126,10 @@ class ConfigMapAudit:
             self._stop.wait(self.interval)
 
     def check(self) -> None:
-        pods = self.core.list_namespaced_pod(self.namespace, label_selector=LABEL_POLICY).items
-        cms = {cm.metadata.name for cm in self.core.list_namespaced_config_map(self.namespace).items}
+        pods = self.core.list_namespaced_pod(self.namespace, label_selector=LABEL_POLICY, _request_timeout=5).items
+        cms = {
+            cm.metadata.name for cm in self.core.list_namespaced_config_map(self.namespace, _request_timeout=5).items
+        }
         self.checks += 1
         for pod in pods:
             if pod.metadata.deletion_timestamp is not None:
@@ -138,7 +141,7 @@ class ConfigMapAudit:
                 continue
             # Re-read: the pod may have been deleted between the two lists.
             try:
-                again = self.core.read_namespaced_pod(pod.metadata.name, self.namespace)
+                again = self.core.read_namespaced_pod(pod.metadata.name, self.namespace, _request_timeout=5)
             except client.ApiException as exc:
                 if exc.status == 404:
                     continue
@@ -287,6 +290,11 @@ def wait_exit(op: OperatorProcess, timeout: float) -> int:
 def kill(op: OperatorProcess) -> None:
     op.proc.send_signal(signal.SIGKILL)
     op.proc.wait(timeout=30)
+
+
+def ts(text: str) -> float:
+    """An RFC 3339 time of the status as a Unix time."""
+    return datetime.fromisoformat(text.replace("Z", "+00:00")).timestamp()
 
 
 def stalled(status: dict[str, Any]) -> dict[str, Any] | None:
