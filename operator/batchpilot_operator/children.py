@@ -283,7 +283,13 @@ def _pod_problem(pod: Manifest, lost_nodes: frozenset[str]) -> str | None:
     if node and node in lost_nodes:
         return f"node {node} is not Ready"
     ready = conditions.get("Ready")
-    if node and ready is not None and ready.get("status") == "False" and ready.get("reason") == "NodeNotReady":
+    containers = conditions.get("ContainersReady")
+    # The node lifecycle controller marks the pods of a node that stopped reporting NotReady
+    # and leaves their containers' own state alone (no kubelet to ask).
+    marked = ready is not None and ready.get("status") == "False"
+    by_node = marked and ready is not None and ready.get("reason") == "NodeNotReady"
+    containers_ok = containers is not None and containers.get("status") == "True"
+    if node and marked and (by_node or containers_ok):
         return f"node {node} is not Ready"
     return None
 

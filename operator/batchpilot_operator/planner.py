@@ -495,6 +495,21 @@ class _Planner:
         r.step_index = min(r.step_index, len(steps) - 1)
         r.step_weight = steps[r.step_index].weight
         split = split_replicas(self.spec.replicas, r.step_weight)
+        if r.step_started_at is not None and not self.st.paused:
+            obs = self.inputs.observed.canary
+            # Pods lost mid-step (a node gone, a crash; not a resize the spec asked for): the
+            # step waits for them again, its clock restarted and under progressDeadline.
+            if obs is not None and obs.revision == r.revision and obs.ready_replicas < min(obs.replicas, split.canary):
+                ready = obs.ready_replicas
+                r.step_started_at = None
+                r.step_entered_at = self.now
+                self.event(
+                    "Warning",
+                    "CanaryPodsLost",
+                    f"canary {r.revision} has {ready}/{split.canary} ready pods at step {r.step_index + 1}: the "
+                    f"step waits for them (rolled back at progressDeadline, "
+                    f"{self.spec.rollout.progress_deadline:g}s)",
+                )
         if r.step_started_at is None:
             obs = self.inputs.observed.canary
             if obs is None or obs.revision != r.revision or obs.ready_replicas < split.canary:

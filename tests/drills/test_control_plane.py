@@ -40,9 +40,11 @@ def _restart_mid_canary(tmp_path: Path, drill: Drill, component: str) -> None:
         base = s.traffic()
         s.apply(policy("4ms", progressDeadline="3m"))
         mid = s.wait(
-            lambda st: st.get("canaryRevision") not in (None, first)
-            and st.get("currentStepIndex") == 0
-            and (st.get("rollout") or {}).get("stepStartedAt"),
+            lambda st: (
+                st.get("canaryRevision") not in (None, first)
+                and st.get("currentStepIndex") == 0
+                and (st.get("rollout") or {}).get("stepStartedAt")
+            ),
             120,
             "the canary ready at step 1",
         )

@@ -968,6 +968,31 @@ def test_progress_deadline_is_per_step_and_configurable() -> None:
     assert "no pod reported a reason" in (d.status.ledger[-1].evidence or "")
 
 
+def test_canary_pods_lost_mid_step_wait_again_under_the_deadline() -> None:
+    sim = healthy(make_spec(replicas=4))
+    new = make_spec(batch=16, replicas=4)
+    start_canary(sim, at(0), new)
+    r = sim.status.rollout
+    assert r is not None and r.step_started_at == at(0)
+    stable = sim.observed.stable
+    # the canary's node goes away: its one pod is no longer ready (the Deployment still wants it)
+    sim.observed = Observed(stable=stable, canary=TrackObserved(new.revision(), 1, 0))
+    d = sim.plan(at(20), converge_after=False)
+    assert d.status.rollout is not None and d.status.rollout.step_started_at is None
+    assert d.status.rollout.step_entered_at == at(20) and "CanaryPodsLost" in reasons(d)
+    assert not analysis_due(new, d.status, at(100)), "no analysis of a canary without its pods"
+    d = sim.plan(at(20 + 599), converge_after=False)
+    assert d.status.rollout is not None and "CanaryPodsLost" not in reasons(d)
+    d = sim.plan(at(20 + 600), converge_after=False, result=None)
+    assert d.rollback_reasons == ("CanaryNotReady",)
+    # a resize the spec asked for is not a loss: the step goes on
+    sim2 = healthy(make_spec(replicas=4))
+    start_canary(sim2, at(0), new)
+    sim2.set_spec(make_spec(batch=16, replicas=10))
+    d = sim2.plan(at(5), converge_after=False)
+    assert d.status.rollout is not None and d.status.rollout.step_started_at == at(0)
+
+
 def test_progress_deadline_waits_while_paused() -> None:
     sim = healthy(make_spec())
     new = make_spec(batch=16)

@@ -57,6 +57,13 @@ def test_lost_node_and_limits() -> None:
         conditions=[{"type": "Ready", "status": "False", "reason": "NodeNotReady"}],
     )
     assert pod_trouble([marked]) == "pod p-stable-x: node gpu-node-2 is not Ready"
+    # what the node lifecycle controller leaves: Ready False (no reason), containers still ready
+    left = pod(
+        "p-stable-y",
+        node="gpu-node-3",
+        conditions=[{"type": "Ready", "status": "False"}, {"type": "ContainersReady", "status": "True"}],
+    )
+    assert pod_trouble([left]) == "pod p-stable-y: node gpu-node-3 is not Ready"
 
 
 def test_starting_and_terminating_pods_are_no_trouble() -> None:
