@@ -224,6 +224,34 @@ def build_deployment(
     )
 
 
+def keep_running_pod_fields(manifest: Manifest, running: Manifest) -> Manifest:
+    """``manifest`` (a Deployment built from the current spec) with the spec-derived pod fields
+    (image, resources, nodeSelector, tolerations) of the Deployment as it ``running``, restamped.
+
+    The stable Deployment runs the stable revision; while the spec already describes the next
+    one (mid-canary, after a rollback), its pod fields belong to the canary. Built from the
+    spec, a change of ``resources`` (or image, nodeSelector, tolerations) reached the stable
+    pods at once, outside any canary (drill 7 found the stable re-created with the canary's
+    two-GPU request, unschedulable)."""
+    out: Manifest = json.loads(json.dumps(manifest))
+    out["metadata"].get("annotations", {}).pop(ANNOTATION_APPLIED, None)
+    if not out["metadata"].get("annotations"):
+        out["metadata"].pop("annotations", None)
+    pod = out["spec"]["template"]["spec"]
+    run_pod = running.get("spec", {}).get("template", {}).get("spec", {})
+    run_container = next((c for c in run_pod.get("containers", []) if c.get("name") == "runtime"), None)
+    if run_container is not None:
+        container = pod["containers"][0]
+        container["image"] = run_container.get("image", container["image"])
+        container["resources"] = run_container.get("resources") or {}
+    for key in ("nodeSelector", "tolerations"):
+        if run_pod.get(key):
+            pod[key] = run_pod[key]
+        else:
+            pod.pop(key, None)
+    return _stamp(out)
+
+
 def build_service(policy: str, namespace: str, uid: str) -> Manifest:
     return _stamp(
         {

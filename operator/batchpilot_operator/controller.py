@@ -220,12 +220,18 @@ def execute(
             writes += 1
             crashpoints.reached("configmap-written")
 
-    writes += kube.apply(
-        children.build_deployment(
-            name, namespace, uid, spec, "stable", decision.stable_revision, decision.stable_replicas
-        ),
-        deployments["stable"],
+    stable = children.build_deployment(
+        name, namespace, uid, spec, "stable", decision.stable_revision, decision.stable_replicas
     )
+    running = observe_track(deployments["stable"])
+    if (
+        deployments["stable"] is not None
+        and running is not None
+        and running.revision == decision.stable_revision != spec.revision()
+    ):
+        # The spec's pod fields belong to the canary: the stable keeps what it runs.
+        stable = children.keep_running_pod_fields(stable, deployments["stable"])
+    writes += kube.apply(stable, deployments["stable"])
     if "Promoted" in decision.rollout_outcomes and status_written:
         crashpoints.reached("promotion-half-done")
     if decision.canary_revision and decision.canary_replicas > 0:

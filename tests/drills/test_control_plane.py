@@ -95,6 +95,9 @@ def _restart_mid_canary(tmp_path: Path, drill: Drill, component: str) -> None:
             "service_recreated_s": round(service_back, 1),
             "audit_errors_while_down": s.audit.errors,
         }
+        assert s.replay is not None
+        for (revision, track), stats in s.replay.stats.items():
+            drill.figures[f"requests_{track}_{revision}_sent_failed"] = f"{stats.sent}/{stats.errors}"
 
 
 def test_apiserver_restart_mid_canary(tmp_path: Path, drill: Drill) -> None:

@@ -82,3 +82,24 @@ def test_crash_points_refuse_unknown_names() -> None:
     with pytest.raises(ValueError, match="unknown crash point"):
         crashpoints._armed("canary-creatd")
     crashpoints.reached("canary-created")  # not armed in this process: nothing happens
+
+
+def test_stable_keeps_the_pod_fields_it_runs() -> None:
+    from batchpilot_operator.children import applied_hash, build_deployment
+    from bptest import make_spec
+
+    old = make_spec().model_copy(update={})
+    new = make_spec(batch=16)
+    new = new.model_copy(update={"resources": new.resources.model_copy(update={"gpus": 2})})
+    running = build_deployment("p", "ns", "uid", old, "stable", old.revision(), 4)
+    fresh = build_deployment("p", "ns", "uid", new, "stable", old.revision(), 3)
+    from batchpilot_operator.children import keep_running_pod_fields
+
+    kept = keep_running_pod_fields(fresh, running)
+    container = kept["spec"]["template"]["spec"]["containers"][0]
+    assert container["resources"] == running["spec"]["template"]["spec"]["containers"][0]["resources"]
+    assert container["resources"] != fresh["spec"]["template"]["spec"]["containers"][0]["resources"]
+    assert kept["spec"]["replicas"] == 3, "replicas follow the decision"
+    assert applied_hash(kept) not in (None, applied_hash(fresh)), "restamped"
+    again = keep_running_pod_fields(build_deployment("p", "ns", "uid", new, "stable", old.revision(), 3), kept)
+    assert applied_hash(again) == applied_hash(kept), "stable: an unchanged resync writes nothing"
