@@ -230,6 +230,34 @@ def build_deployment(
     )
 
 
+def keep_running_pod_fields(manifest: Manifest, running: Manifest) -> Manifest:
+    """``manifest`` (a Deployment built from the current spec) with the spec-derived pod fields
+    (image, resources, nodeSelector, tolerations) of the Deployment as it ``running``, restamped.
+
+    The stable Deployment runs the stable revision; while the spec already describes the next
+    one (mid-canary, after a rollback), its pod fields belong to the canary. Built from the
+    spec, a change of ``resources`` (or image, nodeSelector, tolerations) reached the stable
+    pods at once, outside any canary (drill 7 found the stable re-created with the canary's
+    two-GPU request, unschedulable)."""
+    out: Manifest = json.loads(json.dumps(manifest))
+    out["metadata"].get("annotations", {}).pop(ANNOTATION_APPLIED, None)
+    if not out["metadata"].get("annotations"):
+        out["metadata"].pop("annotations", None)
+    pod = out["spec"]["template"]["spec"]
+    run_pod = running.get("spec", {}).get("template", {}).get("spec", {})
+    run_container = next((c for c in run_pod.get("containers", []) if c.get("name") == "runtime"), None)
+    if run_container is not None:
+        container = pod["containers"][0]
+        container["image"] = run_container.get("image", container["image"])
+        container["resources"] = run_container.get("resources") or {}
+    for key in ("nodeSelector", "tolerations"):
+        if run_pod.get(key):
+            pod[key] = run_pod[key]
+        else:
+            pod.pop(key, None)
+    return _stamp(out)
+
+
 def build_service(policy: str, namespace: str, uid: str) -> Manifest:
     return _stamp(
         {
@@ -249,3 +277,68 @@ def build_service(policy: str, namespace: str, uid: str) -> Manifest:
             },
         }
     )
+
+
+# --------------------------------------------------------------------------- pods in trouble
+# issue 11 (drills): why a track's pods are not ready, in words, for the CanaryNotReady
+# rollback's evidence and the Degraded condition. Only real trouble counts (a pod that is
+# merely starting says nothing), so a routine scale-up raises no Warning.
+
+TROUBLE_WAITING_REASONS = frozenset(
+    {
+        "CrashLoopBackOff",
+        "ImagePullBackOff",
+        "ErrImagePull",
+        "InvalidImageName",
+        "CreateContainerConfigError",
+        "CreateContainerError",
+        "RunContainerError",
+    }
+)
+TROUBLE_LIMIT = 3
+"""Pods named in a summary; the rest are counted."""
+
+
+def _pod_problem(pod: Manifest, lost_nodes: frozenset[str]) -> str | None:
+    status = pod.get("status") or {}
+    conditions = {c.get("type"): c for c in status.get("conditions") or []}
+    scheduled = conditions.get("PodScheduled")
+    if scheduled is not None and scheduled.get("status") == "False":
+        reason = scheduled.get("reason") or "NotScheduled"
+        return f"{reason}: {scheduled.get('message', '')}".strip().rstrip(":")
+    for cs in status.get("containerStatuses") or []:
+        waiting = (cs.get("state") or {}).get("waiting") or {}
+        if waiting.get("reason") in TROUBLE_WAITING_REASONS:
+            detail = waiting.get("message") or ""
+            restarts = cs.get("restartCount", 0)
+            text = f"{waiting['reason']} (container {cs.get('name')}, {restarts} restarts)"
+            return f"{text}: {detail}" if detail else text
+    node = (pod.get("spec") or {}).get("nodeName")
+    if node and node in lost_nodes:
+        return f"node {node} is not Ready"
+    ready = conditions.get("Ready")
+    containers = conditions.get("ContainersReady")
+    # The node lifecycle controller marks the pods of a node that stopped reporting NotReady
+    # and leaves their containers' own state alone (no kubelet to ask).
+    marked = ready is not None and ready.get("status") == "False"
+    by_node = marked and ready is not None and ready.get("reason") == "NodeNotReady"
+    containers_ok = containers is not None and containers.get("status") == "True"
+    if node and marked and (by_node or containers_ok):
+        return f"node {node} is not Ready"
+    return None
+
+
+def pod_trouble(pods: list[Manifest], lost_nodes: frozenset[str] = frozenset()) -> str:
+    """One line on the pods that are in trouble (``""`` when none is): unschedulable (with the
+    scheduler's message), a container crash-looping or failing to pull, or on a node that
+    is not Ready (``lost_nodes``). Terminating pods are skipped."""
+    problems: list[str] = []
+    for pod in sorted(pods, key=lambda p: p["metadata"]["name"]):
+        if pod["metadata"].get("deletionTimestamp"):
+            continue
+        problem = _pod_problem(pod, lost_nodes)
+        if problem:
+            problems.append(f"pod {pod['metadata']['name']}: {problem}")
+    if len(problems) > TROUBLE_LIMIT:
+        problems = [*problems[:TROUBLE_LIMIT], f"and {len(problems) - TROUBLE_LIMIT} more"]
+    return "; ".join(problems)

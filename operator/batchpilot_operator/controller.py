@@ -17,9 +17,9 @@ from typing import Any, Protocol
 
 from pydantic import ValidationError
 
-from batchpilot_operator import children, opmetrics, recommender
+from batchpilot_operator import children, crashpoints, opmetrics, recommender
 from batchpilot_operator.analysis import AnalysisResult, MetricsBackend, run_analysis
-from batchpilot_operator.children import LABEL_ENVIRONMENT, LABEL_REVISION, Manifest, Track
+from batchpilot_operator.children import LABEL_ENVIRONMENT, LABEL_REVISION, LABEL_TRACK, Manifest, Track
 from batchpilot_operator.kube import Kube, same_json
 from batchpilot_operator.planner import (
     Commands,
@@ -30,6 +30,7 @@ from batchpilot_operator.planner import (
     analysis_due,
     analysis_target,
     plan,
+    pods_needed,
 )
 from batchpilot_operator.spec import PolicySpec, parse_spec
 from batchpilot_operator.status import Status
@@ -139,6 +140,16 @@ def reconcile(
             environment=environment_of(body),
         )
 
+    trouble: dict[str, str] = {}
+    tracks = pods_needed(spec, status, observed, now)
+    if tracks:  # only in trouble: one LIST of the policy's pods (they are not cached)
+        pods = kube.list_owned("v1", "Pod", namespace, name)
+        for track in tracks:
+            mine = [p for p in pods if (p["metadata"].get("labels") or {}).get(LABEL_TRACK) == track]
+            summary = children.pod_trouble(mine)
+            if summary:
+                trouble[track] = summary
+
     decision = plan(
         PlanInputs(
             spec=spec,
@@ -148,6 +159,7 @@ def reconcile(
             now=now,
             analysis=analysis,
             commands=Commands.from_annotations(meta.get("annotations")),
+            pod_trouble=trouble,
         )
     )
     writes = execute(kube, body, spec, decision, deployments, reader)
@@ -170,11 +182,36 @@ def execute(
     deployments: dict[Track, Manifest | None],
     reader: ChildReader | None = None,
 ) -> int:
-    """Make the children match the decision, then write the status; count the writes."""
+    """Write the status, then make the children match the decision; count the writes.
+
+    The status goes first: it is the record of the decision (ledger, failure count, stable
+    revision). A crash after it replays the same decision from it: the children converge
+    and nothing is decided twice. (Children first, a crash before the status write would
+    lose the decision: a rolled-back canary re-created, a counted failure forgotten, a
+    promotion's stable switch reverted and redone.) Writes are ordered so that no pod ever
+    runs a revision whose ConfigMap is missing: ConfigMaps before the Deployments that mount
+    them; a ConfigMap is deleted only once no Deployment, as observed, runs its revision.
+    See ``crashpoints`` for the points the drills crash at.
+    """
     meta = body["metadata"]
     name, namespace, uid = meta["name"], meta["namespace"], meta["uid"]
     reader = reader or kube
     writes = 0
+    status_written = False
+    new_status = decision.status.to_dict()
+    if decision.status.current_step_index is not None and decision.status.step_count:
+        new_status["stepLabel"] = f"{decision.status.current_step_index + 1}/{decision.status.step_count}"
+    if not same_json(new_status, body.get("status") or {}):
+        kube.replace_status(namespace, name, meta["resourceVersion"], new_status)
+        writes += 1
+        status_written = True
+    if status_written:
+        if decision.analysis_outcomes:
+            crashpoints.reached("analysis-recorded")
+        if any(e.reason == "StepAdvanced" for e in decision.events):
+            crashpoints.reached("step-advanced")
+        if "RolledBack" in decision.rollout_outcomes:
+            crashpoints.reached("rollback-half-done")
     configmaps = {
         cm["metadata"]["labels"].get(LABEL_REVISION): cm for cm in reader.list_owned("v1", "ConfigMap", namespace, name)
     }
@@ -186,23 +223,33 @@ def execute(
             # applying it would only be refused, once per reconcile.)
             continue
         manifest = children.build_configmap(name, namespace, uid, spec, revision)
-        writes += kube.apply(manifest, None)
+        if kube.apply(manifest, None):
+            writes += 1
+            crashpoints.reached("configmap-written")
 
-    writes += kube.apply(
-        children.build_deployment(
-            name,
-            namespace,
-            uid,
-            spec,
-            "stable",
-            decision.stable_revision,
-            decision.stable_replicas,
-            environment=environment_of(body),
-        ),
-        deployments["stable"],
+    stable = children.build_deployment(
+        name,
+        namespace,
+        uid,
+        spec,
+        "stable",
+        decision.stable_revision,
+        decision.stable_replicas,
+        environment=environment_of(body),
     )
+    running = observe_track(deployments["stable"])
+    if (
+        deployments["stable"] is not None
+        and running is not None
+        and running.revision == decision.stable_revision != spec.revision()
+    ):
+        # The spec's pod fields belong to the canary: the stable keeps what it runs.
+        stable = children.keep_running_pod_fields(stable, deployments["stable"])
+    writes += kube.apply(stable, deployments["stable"])
+    if "Promoted" in decision.rollout_outcomes and status_written:
+        crashpoints.reached("promotion-half-done")
     if decision.canary_revision and decision.canary_replicas > 0:
-        writes += kube.apply(
+        created = kube.apply(
             children.build_deployment(
                 name,
                 namespace,
@@ -215,6 +262,9 @@ def execute(
             ),
             deployments["canary"],
         )
+        writes += created
+        if created and deployments["canary"] is None:
+            crashpoints.reached("canary-created")
     elif deployments["canary"] is not None:
         writes += kube.delete("apps/v1", "Deployment", namespace, children.deployment_name(name, "canary"))
 
@@ -222,14 +272,11 @@ def execute(
     writes += kube.apply(service, reader.get("v1", "Service", namespace, name))
 
     keep = set(decision.keep_revisions) | set(needed)
+    for deployment in deployments.values():  # as observed before this reconcile's writes
+        running = observe_track(deployment)
+        if running is not None and running.revision is not None:
+            keep.add(running.revision)
     for revision, cm in configmaps.items():
         if revision not in keep:
             writes += kube.delete("v1", "ConfigMap", namespace, cm["metadata"]["name"])
-
-    new_status = decision.status.to_dict()
-    if decision.status.current_step_index is not None and decision.status.step_count:
-        new_status["stepLabel"] = f"{decision.status.current_step_index + 1}/{decision.status.step_count}"
-    if not same_json(new_status, body.get("status") or {}):
-        kube.replace_status(namespace, name, meta["resourceVersion"], new_status)
-        writes += 1
     return writes

@@ -43,6 +43,8 @@ class WriteObserver(Protocol):
 
 
 USER_AGENT = "batchpilot-operator"
+REQUEST_TIMEOUT = (10.0, 30.0)
+"""(connect, read) seconds of every API request that sets none (watches set their own)."""
 
 
 def api_client(kubeconfig: str | None = None, user_agent: str = USER_AGENT) -> client.ApiClient:
@@ -76,6 +78,10 @@ def _count_requests(api: client.ApiClient) -> None:
         query = kwargs.get("query_params") or []
         watch = any(k == "watch" and str(v).lower() == "true" for k, v in query)
         opmetrics.API_REQUESTS.labels("WATCH" if watch else method.upper()).inc()
+        if not watch and not kwargs.get("_request_timeout"):
+            # The client's default is no timeout at all: one request that an apiserver going
+            # away never answers held its reconcile (and so its policy) for good (drill 2).
+            kwargs["_request_timeout"] = REQUEST_TIMEOUT
         return request(method, url, *args, **kwargs)
 
     rest.request = counted  # type: ignore[method-assign]

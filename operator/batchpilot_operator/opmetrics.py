@@ -79,6 +79,17 @@ REQUEUES_PENDING = Gauge(
 RECONCILE_SECONDS = Counter(
     "batchpilot_operator_reconcile_seconds_total", "Wall time spent in reconciles (cache reads, analysis, writes)"
 )
+ROLLBACKS = Counter(
+    "batchpilot_operator_rollbacks_total",
+    "Canaries rolled back, by reason (AnalysisFailed, MetricsUnavailable, CanaryNotReady, Aborted)",
+    ["namespace", "policy", "reason"],
+)
+DEGRADED = Gauge(
+    "batchpilot_operator_policy_degraded",
+    "1 while the policy's Degraded condition is True (the stable track has fewer ready pods than it should), "
+    "with its reason (StableUnderCapacity, StableUnavailable)",
+    ["namespace", "policy", "reason"],
+)
 PHASES = ("Pending", "Progressing", "Paused", "Healthy", "RolledBack", "Degraded")
 
 
@@ -87,6 +98,8 @@ def record(namespace: str, policy: str, spec: PolicySpec, decision: Decision) ->
         ROLLOUTS.labels(namespace, policy, outcome).inc()
     for outcome in decision.analysis_outcomes:
         ANALYSES.labels(namespace, policy, outcome).inc()
+    for why in decision.rollback_reasons:
+        ROLLBACKS.labels(namespace, policy, why).inc()
     status = decision.status
     CANARY_WEIGHT.labels(namespace, policy).set(status.canary_weight or 0)
     current = status.phase.value if status.phase else ""
@@ -104,6 +117,15 @@ def record(namespace: str, policy: str, spec: PolicySpec, decision: Decision) ->
             STALLED.labels(ns, pol, known).set(0)
     if reason:
         STALLED.labels(namespace, policy, reason).set(1)
+    degraded = status.condition("Degraded")
+    degraded_reason: str | None = degraded.reason if degraded is not None and degraded.status == "True" else None
+    for family in DEGRADED.collect():
+        for s in family.samples:
+            mine = s.labels.get("namespace") == namespace and s.labels.get("policy") == policy
+            if mine and s.labels["reason"] != degraded_reason:
+                DEGRADED.labels(namespace, policy, s.labels["reason"]).set(0)
+    if degraded_reason:
+        DEGRADED.labels(namespace, policy, degraded_reason).set(1)
 
 
 def _stalled_series(namespace: str, policy: str) -> list[tuple[tuple[str, str, str], float]]:
@@ -117,7 +139,7 @@ def _stalled_series(namespace: str, policy: str) -> list[tuple[tuple[str, str, s
 
 def forget(namespace: str, policy: str) -> None:
     """Drop a deleted policy's gauges."""
-    for gauge in (LANE_SLO, LANE_MAX_ERROR_RATIO, STALLED, SETTINGS_STALE):
+    for gauge in (LANE_SLO, LANE_MAX_ERROR_RATIO, STALLED, SETTINGS_STALE, DEGRADED):
         for metric in gauge.collect():
             for sample in metric.samples:
                 if sample.labels.get("namespace") == namespace and sample.labels.get("policy") == policy:

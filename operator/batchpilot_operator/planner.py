@@ -17,9 +17,13 @@ Phases (``status.phase``, a closed enum; see :class:`~batchpilot_operator.status
 
 ``Stalled`` is a condition, not a phase, with reason ``MetricsUnavailable`` (Error under
 ``Hold``, or under ``Rollback`` before the deadline), ``InconclusiveLimit`` (maxInconclusive
-Inconclusive analyses in a row: the rollout holds, it never rolls back for thin traffic),
-``CanaryNotReady`` (the canary's pods not ready after :data:`CANARY_READY_DEADLINE`) or
-``RolledBack``. Conditions follow kstatus: ``Ready``, ``Reconciling``, ``Stalled``, each
+Inconclusive analyses in a row: the rollout holds, it never rolls back for thin traffic) or
+``RolledBack``. A canary whose pods are not all ready ``spec.rollout.progressDeadline``
+after its step began (unschedulable, crash loop) is rolled back with reason
+``CanaryNotReady``, the pods' own reasons (:attr:`PlanInputs.pod_trouble`) as evidence:
+it would otherwise hold its GPUs forever. ``Degraded`` is also a condition (besides the
+phase): True while the stable track has fewer ready pods than it should run, with the pods'
+reasons when the controller read them (node lost, unschedulable). Conditions follow kstatus: ``Ready``, ``Reconciling``, ``Stalled``, each
 with ``observedGeneration``; ``status.observedGeneration`` is the generation planned for.
 
 Decisions taken here (and why):
@@ -108,7 +112,7 @@ RESUME_ANNOTATION = ANNOTATION_PREFIX + "resume"
 POLL_SECONDS = 5.0
 """Requeue while waiting for pods (first rollout, canary step, promotion finishing)."""
 CANARY_READY_DEADLINE = 600.0
-"""Seconds a step may wait for its canary pods before the Stalled/CanaryNotReady condition."""
+"""The default of ``spec.rollout.progressDeadline`` (Argo Rollouts' progressDeadlineSeconds)."""
 
 EventType = Literal["Normal", "Warning"]
 CommandName = Literal["promote", "abort", "retry"]
@@ -176,6 +180,10 @@ class PlanInputs:
     now: datetime
     analysis: AnalysisResult | None = None
     commands: Commands = field(default_factory=Commands)
+    pod_trouble: Mapping[str, str] = field(default_factory=dict)
+    """Per track ("stable", "canary"): why its pods are not ready, in words (e.g.
+    ``pod p-canary-x: Unschedulable: 0/2 nodes are available: ...``), as the controller read
+    them from the pods when :func:`pods_needed` said so; absent when not read."""
 
 
 # --------------------------------------------------------------------------- outputs
@@ -200,6 +208,8 @@ class Decision:
     events: tuple[Event, ...] = ()
     rollout_outcomes: tuple[str, ...] = ()
     """One entry per finished rollout: Promoted, RolledBack, Aborted, Superseded."""
+    rollback_reasons: tuple[str, ...] = ()
+    """One entry per rollback: AnalysisFailed, MetricsUnavailable, CanaryNotReady, Aborted."""
     analysis_outcomes: tuple[str, ...] = ()
     """One entry per analysis consumed: Successful, Failed, Inconclusive, Error."""
     requeue_after: float | None = None
@@ -256,6 +266,28 @@ def analysis_due(spec: PolicySpec, status: Status, now: datetime) -> bool:
     return due is not None and now >= due
 
 
+def canary_deadline_passed(spec: PolicySpec, status: Status, now: datetime) -> bool:
+    """True when the canary's pods of the current step are past ``progressDeadline`` unready
+    (judged on the status: the step clock has not started)."""
+    r = status.rollout
+    if r is None or status.paused or r.step_started_at is not None:
+        return False
+    return (now - r.step_entered_at).total_seconds() >= spec.rollout.progress_deadline
+
+
+def pods_needed(spec: PolicySpec, status: Status, observed: Observed, now: datetime) -> tuple[str, ...]:
+    """Tracks whose pods the controller should read (an API LIST, only in trouble) so that
+    :attr:`PlanInputs.pod_trouble` can say why they are not ready: the canary once past its
+    progress deadline, the stable while it has fewer ready pods than its Deployment asks."""
+    tracks: list[str] = []
+    st = observed.stable
+    if st is not None and st.revision == status.stable_revision is not None and st.ready_replicas < st.replicas:
+        tracks.append("stable")
+    if canary_deadline_passed(spec, status, now):
+        tracks.append("canary")
+    return tuple(tracks)
+
+
 def analysis_target(status: Status) -> tuple[str, str | None] | None:
     """(canary revision, stable revision) to analyse, or None when no canary is in flight."""
     if status.rollout is None:
@@ -282,6 +314,7 @@ class _Planner:
         self.desired = self.spec.revision()
         self.events: list[Event] = []
         self.rollouts: list[str] = []
+        self.rollback_reasons: list[str] = []
         self.analyses: list[str] = []
 
     # ------------------------------------------------------------------ helpers
@@ -463,9 +496,25 @@ class _Planner:
         r.step_index = min(r.step_index, len(steps) - 1)
         r.step_weight = steps[r.step_index].weight
         split = split_replicas(self.spec.replicas, r.step_weight)
+        if r.step_started_at is not None and not self.st.paused:
+            obs = self.inputs.observed.canary
+            # Pods lost mid-step (a node gone, a crash; not a resize the spec asked for): the
+            # step waits for them again, its clock restarted and under progressDeadline.
+            if obs is not None and obs.revision == r.revision and obs.ready_replicas < min(obs.replicas, split.canary):
+                ready = obs.ready_replicas
+                r.step_started_at = None
+                r.step_entered_at = self.now
+                self.event(
+                    "Warning",
+                    "CanaryPodsLost",
+                    f"canary {r.revision} has {ready}/{split.canary} ready pods at step {r.step_index + 1}: the "
+                    f"step waits for them (rolled back at progressDeadline, "
+                    f"{self.spec.rollout.progress_deadline:g}s)",
+                )
         if r.step_started_at is None:
             obs = self.inputs.observed.canary
             if obs is None or obs.revision != r.revision or obs.ready_replicas < split.canary:
+                self.check_progress_deadline(r, obs, split.canary)
                 return
             r.step_started_at = self.now
             if self.st.paused:
@@ -494,6 +543,21 @@ class _Planner:
             )
             return
         self.maybe_advance(r)
+
+    def check_progress_deadline(self, r: RolloutState, obs: TrackObserved | None, wanted: int) -> None:
+        """Roll back a canary whose pods are still not ready ``progressDeadline`` into the step."""
+        deadline = self.spec.rollout.progress_deadline
+        if self.st.paused or self.seconds_since(r.step_entered_at) < deadline:
+            return
+        ready = obs.ready_replicas if obs is not None and obs.revision == r.revision else 0
+        why = self.inputs.pod_trouble.get("canary") or "no pod reported a reason"
+        self.rollback(
+            reason="CanaryNotReady",
+            evidence=(
+                f"{ready}/{wanted} canary pods ready {deadline:g}s (progressDeadline) after step "
+                f"{r.step_index + 1} began at {_ts(r.step_entered_at)}: {why}"
+            ),
+        )
 
     def consume(self, r: RolloutState, a: AnalysisResult) -> None:
         r.last_analysis_at = self.now
@@ -674,6 +738,7 @@ class _Planner:
             f"canary {r.revision} rolled back ({reason}): {evidence}; stable {st.stable_revision} serves",
         )
         self.rollouts.append(outcome)
+        self.rollback_reasons.append(reason)
 
     # ------------------------------------------------------------------ finish
 
@@ -704,11 +769,6 @@ class _Planner:
                 "InconclusiveLimit",
                 f"{r.inconclusive_streak} Inconclusive analyses in a row (fewer than "
                 f"{self.spec.rollout.min_samples} samples); holding, not rolling back",
-            )
-        if r.step_started_at is None and self.seconds_since(r.step_entered_at) >= CANARY_READY_DEADLINE:
-            return "CanaryNotReady", (
-                f"canary {r.revision} pods not ready since {_ts(r.step_entered_at)} "
-                f"(more than {CANARY_READY_DEADLINE:g}s)"
             )
         return None
 
@@ -753,6 +813,7 @@ class _Planner:
         st.phase = phase
         st.message = message
         self.set_conditions(phase, message, stable_ready, stall)
+        self.set_degraded(stable_rev, stable_replicas, finishing)
 
         keep: list[str] = []
         for rev in (stable_rev, canary_rev):
@@ -775,6 +836,7 @@ class _Planner:
             keep_revisions=tuple(keep),
             events=tuple(self.events),
             rollout_outcomes=tuple(self.rollouts),
+            rollback_reasons=tuple(self.rollback_reasons),
             analysis_outcomes=tuple(self.analyses),
             requeue_after=self.requeue(phase, finishing, stable_ready),
         )
@@ -850,6 +912,39 @@ class _Planner:
             if reason != "RolledBack":  # the rollback itself already left an event and a ledger entry
                 self.ledger("Stalled", revision, reason=reason, evidence=text)
                 self.event("Warning", "Stalled", f"{reason}: {text}")
+
+    def set_degraded(self, stable_rev: str, stable_replicas: int, finishing: bool) -> None:
+        """The Degraded condition: the stable track runs fewer ready pods than it should.
+
+        Judged on the stable Deployment as observed, once it runs the stable revision at the
+        replicas it should (a scale-up or a promotion still rolling is not a loss). The
+        pods' reasons (node lost, unschedulable) come from :attr:`PlanInputs.pod_trouble`;
+        a Warning event marks the transition when a reason is known.
+        """
+        st = self.st
+        obs = self.inputs.observed.stable
+        short = (
+            st.stable_revision is not None
+            and not finishing
+            and obs is not None
+            and obs.revision == stable_rev
+            and obs.replicas == stable_replicas
+            and obs.ready_replicas < stable_replicas
+        )
+        if not short:
+            if st.condition("Degraded") is not None:
+                self.set_condition("Degraded", "False", "StableAtCapacity", "")
+            return
+        assert obs is not None
+        why = self.inputs.pod_trouble.get("stable")
+        reason = "StableUnavailable" if obs.ready_replicas == 0 else "StableUnderCapacity"
+        message = f"stable revision {stable_rev} has {obs.ready_replicas}/{stable_replicas} ready pods"
+        if why:
+            message += f": {why}"
+        previous = self.inputs.status.condition("Degraded")
+        self.set_condition("Degraded", "True", reason, message)
+        if why and (previous is None or previous.status != "True" or previous.reason != reason):
+            self.event("Warning", "Degraded", message)
 
     def set_condition(self, type_: ConditionType, status: ConditionStatus, reason: str, message: str) -> None:
         generation = self.inputs.generation

@@ -191,6 +191,14 @@ class RolloutSpec(_Spec):
         default_factory=OnMetricsUnavailable, alias="onMetricsUnavailable"
     )
     history_limit: SpecInt = Field(default=5, alias="historyLimit", ge=1, le=50)
+    # issue 11 (drills): a canary whose pods are not all ready this long after its step began
+    # (unschedulable, crash loop, image pull) is rolled back with reason CanaryNotReady.
+    progress_deadline: SpecDuration = Field(
+        default=600.0,
+        alias="progressDeadline",
+        gt=0,
+        description="how long a step may wait for its canary pods to be ready before the canary is rolled back",
+    )
 
     @model_validator(mode="after")
     def _steps_increasing(self) -> RolloutSpec:

@@ -24,7 +24,7 @@ Wire shape (all keys camelCase; optional keys are omitted when empty)::
               pausedAt}
     failedRevisions: [{revision, time, reason, evidence}]
     handledCommands: {promote|abort|retry|pause: <last handled annotation value>}
-    conditions: [{type: Ready|Reconciling|Stalled|SettingsStale, status, reason, message,
+    conditions: [{type: Ready|Reconciling|Stalled|SettingsStale|Degraded, status, reason, message,
                   lastTransitionTime, observedGeneration}]
     lastAnalysis: {time, revision, outcome, window, lanes: [{lane, outcome, p99Latency,
                    p99LatencySlo, queueAge, maxQueueAge, errorRate, maxErrorRate,
@@ -74,7 +74,7 @@ class _Model(BaseModel):
     model_config = ConfigDict(populate_by_name=True, extra="ignore")
 
 
-ConditionType = Literal["Ready", "Reconciling", "Stalled", "SettingsStale"]
+ConditionType = Literal["Ready", "Reconciling", "Stalled", "SettingsStale", "Degraded"]
 ConditionStatus = Literal["True", "False", "Unknown"]
 
 

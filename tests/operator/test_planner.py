@@ -913,15 +913,161 @@ def test_degraded_when_stable_has_no_ready_pod() -> None:
     assert ready is not None and ready.last_transition_time == at(13)
 
 
-def test_canary_not_ready_stalls_after_the_deadline() -> None:
+def test_canary_not_ready_is_rolled_back_at_the_progress_deadline() -> None:
     sim = healthy(make_spec())
-    sim.set_spec(make_spec(batch=16))
+    stable = sim.status.stable_revision
+    new = make_spec(batch=16)
+    sim.set_spec(new)
+    sim.tick(at(0), converge_after=False)  # canary asked for; its pods never become ready
+    sim.observed = Observed(stable=TrackObserved(stable, 3, 3), canary=TrackObserved(new.revision(), 1, 0))
+    assert CANARY_READY_DEADLINE == new.rollout.progress_deadline == 600.0  # the default
+    trouble = {"canary": "pod chat-canary-x: Unschedulable: 0/2 nodes are available: 2 Insufficient nvidia.com/gpu"}
+    d = sim.plan(at(599), converge_after=False)
+    assert d.status.rollout is not None and cond(d.status, "Stalled")[0] == "False"
+    assert d.canary_revision == new.revision() and d.requeue_after == POLL_SECONDS
+    d = plan(
+        PlanInputs(
+            spec=new,
+            generation=sim.generation,
+            status=sim.status,
+            observed=sim.observed,
+            now=at(600),
+            pod_trouble=trouble,
+        )
+    )
+    assert d.status.rollout is None and d.status.phase is Phase.ROLLED_BACK
+    assert (d.canary_revision, d.canary_replicas) == (None, 0), "the canary's GPUs are given back"
+    assert (d.stable_revision, d.stable_replicas) == (stable, 4), "stable untouched, back to full size"
+    assert d.rollout_outcomes == ("RolledBack",) and d.rollback_reasons == ("CanaryNotReady",)
+    (event,) = [e for e in d.events if e.reason == "RolledBack"]
+    assert "CanaryNotReady" in event.message and "Insufficient nvidia.com/gpu" in event.message
+    entry = d.status.ledger[-1]
+    assert (entry.kind, entry.reason) == ("RolledBack", "CanaryNotReady")
+    assert entry.evidence is not None and "0/1 canary pods ready 600s (progressDeadline)" in entry.evidence
+    assert "Unschedulable: 0/2 nodes" in entry.evidence
+    assert d.status.is_failed(new.revision()), "not canaried again until the spec changes or a retry"
+
+
+def test_progress_deadline_is_per_step_and_configurable() -> None:
+    spec = make_spec(progressDeadline="2m")
+    assert spec.rollout.progress_deadline == 120.0
+    sim = healthy(spec)
+    new = make_spec(batch=16, progressDeadline="2m")
+    start_canary(sim, at(0), new)
+    # step 1 passes; step 2's extra canary pods never become ready
+    sim.tick(at(30))
+    d = sim.tick(at(60))
+    assert d.status.rollout is not None and d.status.rollout.step_index == 1
+    entered = 60
+    sim.observed = Observed(stable=sim.observed.stable, canary=TrackObserved(new.revision(), 2, 1))
+    d = sim.plan(at(entered + 119), converge_after=False)
+    assert d.status.rollout is not None
+    d = sim.plan(at(entered + 120), converge_after=False)
+    assert d.status.rollout is None and d.rollback_reasons == ("CanaryNotReady",)
+    assert "1/2 canary pods ready 120s (progressDeadline) after step 2" in (d.status.ledger[-1].evidence or "")
+    assert "no pod reported a reason" in (d.status.ledger[-1].evidence or "")
+
+
+def test_canary_pods_lost_mid_step_wait_again_under_the_deadline() -> None:
+    sim = healthy(make_spec(replicas=4))
+    new = make_spec(batch=16, replicas=4)
+    start_canary(sim, at(0), new)
+    r = sim.status.rollout
+    assert r is not None and r.step_started_at == at(0)
+    stable = sim.observed.stable
+    # the canary's node goes away: its one pod is no longer ready (the Deployment still wants it)
+    sim.observed = Observed(stable=stable, canary=TrackObserved(new.revision(), 1, 0))
+    d = sim.plan(at(20), converge_after=False)
+    assert d.status.rollout is not None and d.status.rollout.step_started_at is None
+    assert d.status.rollout.step_entered_at == at(20) and "CanaryPodsLost" in reasons(d)
+    assert not analysis_due(new, d.status, at(100)), "no analysis of a canary without its pods"
+    d = sim.plan(at(20 + 599), converge_after=False)
+    assert d.status.rollout is not None and "CanaryPodsLost" not in reasons(d)
+    d = sim.plan(at(20 + 600), converge_after=False, result=None)
+    assert d.rollback_reasons == ("CanaryNotReady",)
+    # a resize the spec asked for is not a loss: the step goes on
+    sim2 = healthy(make_spec(replicas=4))
+    start_canary(sim2, at(0), new)
+    sim2.set_spec(make_spec(batch=16, replicas=10))
+    d = sim2.plan(at(5), converge_after=False)
+    assert d.status.rollout is not None and d.status.rollout.step_started_at == at(0)
+
+
+def test_progress_deadline_waits_while_paused() -> None:
+    sim = healthy(make_spec())
+    new = make_spec(batch=16)
+    sim.set_spec(new)
     sim.tick(at(0), converge_after=False)
-    d = sim.plan(at(CANARY_READY_DEADLINE - 1), converge_after=False)
-    assert cond(d.status, "Stalled")[0] == "False"
-    d = sim.plan(at(CANARY_READY_DEADLINE), converge_after=False)
-    assert cond(d.status, "Stalled") == ("True", "CanaryNotReady")
-    assert d.status.phase is Phase.PROGRESSING and d.canary_revision is not None
+    sim.observed = Observed(stable=sim.observed.stable, canary=TrackObserved(new.revision(), 1, 0))
+    sim.commands = Commands(pause="alice@2026-11-30T01:00:10Z")
+    d = sim.plan(at(1000), converge_after=False)
+    assert d.status.rollout is not None and d.status.phase is Phase.PAUSED
+
+
+def test_canary_ready_in_time_is_not_rolled_back() -> None:
+    sim = healthy(make_spec())
+    new = make_spec(batch=16)
+    sim.set_spec(new)
+    sim.tick(at(0), converge_after=False)
+    sim.observed = Observed(stable=sim.observed.stable, canary=TrackObserved(new.revision(), 1, 1))
+    d = sim.plan(at(599), converge_after=False)
+    assert d.status.rollout is not None and d.status.rollout.step_started_at == at(599)
+    d = sim.plan(at(700), converge_after=False)  # the step clock runs: no deadline any more
+    assert d.status.rollout is not None and d.rollback_reasons == ()
+
+
+@pytest.mark.parametrize("text", ["0s", "-1m", "soon"])
+def test_progress_deadline_must_be_a_positive_duration(text: str) -> None:
+    with pytest.raises(ValueError):
+        make_spec(progressDeadline=text)
+
+
+def test_pods_needed_only_in_trouble() -> None:
+    from batchpilot_operator.planner import canary_deadline_passed, pods_needed
+
+    sim = healthy(make_spec())
+    stable = sim.status.stable_revision
+    assert pods_needed(sim.spec, sim.status, sim.observed, at(2)) == ()
+    short = Observed(stable=TrackObserved(stable, 4, 3))
+    assert pods_needed(sim.spec, sim.status, short, at(2)) == ("stable",)
+    new = make_spec(batch=16)
+    sim.set_spec(new)
+    sim.tick(at(10), converge_after=False)
+    assert not canary_deadline_passed(new, sim.status, at(609))
+    assert canary_deadline_passed(new, sim.status, at(610))
+    assert pods_needed(new, sim.status, Observed(stable=TrackObserved(stable, 3, 3)), at(610)) == ("canary",)
+
+
+def test_degraded_condition_when_stable_loses_pods() -> None:
+    sim = healthy(make_spec())
+    stable = sim.status.stable_revision
+    sim.observed = Observed(stable=TrackObserved(stable, 4, 2))
+    why = "pod chat-stable-a: node gpu-node-1 is not Ready; pod chat-stable-b: node gpu-node-1 is not Ready"
+    d = plan(
+        PlanInputs(
+            spec=sim.spec,
+            generation=sim.generation,
+            status=sim.status,
+            observed=sim.observed,
+            now=at(5),
+            pod_trouble={"stable": why},
+        )
+    )
+    assert cond(d.status, "Degraded") == ("True", "StableUnderCapacity")
+    degraded = d.status.condition("Degraded")
+    assert degraded is not None and "2/4 ready pods" in degraded.message and "gpu-node-1" in degraded.message
+    assert reasons(d) == ["Degraded"]
+    sim.status = d.status
+    again = sim.plan(at(6), converge_after=False)
+    assert cond(again.status, "Degraded") == ("True", "StableUnderCapacity") and "Degraded" not in reasons(again)
+    sim.observed = Observed(stable=TrackObserved(stable, 4, 4))
+    back = sim.plan(at(7), converge_after=False)
+    assert cond(back.status, "Degraded") == ("False", "StableAtCapacity")
+    # a scale-up the operator itself asked for (Deployment not yet at its new size) is no loss
+    fresh = healthy(make_spec())
+    fresh.observed = Observed(stable=TrackObserved(fresh.status.stable_revision, 2, 2))
+    d = fresh.plan(at(8), converge_after=False)
+    assert d.status.condition("Degraded") is None
 
 
 def test_analysis_not_due_is_ignored() -> None:

@@ -218,6 +218,8 @@ class LocalCluster:
     kubeconfig: Path
     bin_dir: Path
     processes: dict[str, subprocess.Popen[bytes]] = field(default_factory=dict)
+    commands: dict[str, list[str]] = field(default_factory=dict)
+    """Each component's command line, so that :meth:`restart` starts it again as it was."""
     started_in: float = 0.0
 
     # ---- lifecycle -------------------------------------------------------------------
@@ -232,11 +234,17 @@ class LocalCluster:
         pods_per_node: int = 110,
         pod_cidr: str = "10.0.0.1/24",
         controller_qps: int | None = None,
+        gpus_per_node: int = 8,
+        node_monitor_grace_period: int | None = None,
+        node_lease_seconds: int = 40,
     ) -> LocalCluster:
         """``audit``: the apiserver writes an audit log (metadata of every request: user agent,
         verb, resource, namespace) to :attr:`audit_log`, to count a client's requests.
         ``pods_per_node``/``pod_cidr``: room for many fake pods; ``controller_qps``: the
-        controller-manager's and scheduler's client rate limit (benchmarks with 1000s of pods)."""
+        controller-manager's and scheduler's client rate limit (benchmarks with 1000s of pods).
+        ``gpus_per_node``: each fake node's ``nvidia.com/gpu``; ``node_monitor_grace_period`` (s)
+        and ``node_lease_seconds``: how soon a node kwok stops heart-beating goes NotReady (the
+        node-loss drill; the defaults are Kubernetes' and kwok's)."""
         directory = ensure_binaries()
         t0 = time.monotonic()
         workdir = workdir.resolve()
@@ -322,6 +330,11 @@ class LocalCluster:
                         "--use-service-account-credentials=false",
                         "--concurrent-deployment-syncs=10",
                         "--concurrent-replicaset-syncs=10",
+                        *(
+                            [f"--node-monitor-grace-period={node_monitor_grace_period}s", "--node-monitor-period=1s"]
+                            if node_monitor_grace_period
+                            else []
+                        ),
                     ]
                     if name == "kube-controller-manager"
                     else []
@@ -351,11 +364,13 @@ class LocalCluster:
                     "--disregard-status-with-annotation-selector=kwok.x-k8s.io/status=custom",
                     f"--cidr={pod_cidr}",
                     "--node-ip=10.0.0.1",
-                    "--node-lease-duration-seconds=40",
+                    f"--node-lease-duration-seconds={node_lease_seconds}",
                     f"--server-address=127.0.0.1:{free_port()}",
                 ],
             )
-            nodes = "---\n".join(gpu_node_manifest(f"gpu-node-{i}", pods=pods_per_node) for i in range(gpu_nodes))
+            nodes = "---\n".join(
+                gpu_node_manifest(f"gpu-node-{i}", gpus=gpus_per_node, pods=pods_per_node) for i in range(gpu_nodes)
+            )
             cluster.kubectl("apply", "-f", "-", input=nodes)
             cluster.wait_for(
                 lambda: (
@@ -383,13 +398,53 @@ class LocalCluster:
         return self.workdir / "audit.log"
 
     def _spawn(self, name: str, args: list[str], command: list[str] | None = None) -> None:
-        log = (self.workdir / "logs" / f"{name}.log").open("wb")
+        self.commands[name] = [*(command or [str(self.bin_dir / name)]), *args]
+        self._launch(name)
+
+    def _launch(self, name: str) -> None:
+        log = (self.workdir / "logs" / f"{name}.log").open("ab")
         self.processes[name] = subprocess.Popen(
-            [*(command or [str(self.bin_dir / name)]), *args],
+            self.commands[name],
             stdout=log,
             stderr=subprocess.STDOUT,
             start_new_session=True,
         )
+
+    def stop_component(self, name: str, sig: int = signal.SIGTERM, timeout: float = 30.0) -> None:
+        """Stop one component (``etcd``, ``kube-apiserver``, ``kwok``...), keeping its data
+        directory and port, so that :meth:`start_component` brings the same one back (the
+        drills restart the apiserver and etcd under a running operator)."""
+        if name not in self.commands:
+            raise ClusterError(f"no component {name!r}; components: {', '.join(self.commands)}")
+        proc = self.processes.pop(name, None)
+        if proc is None or proc.poll() is not None:
+            return
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, sig)
+        try:
+            proc.wait(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+
+    def start_component(self, name: str, timeout: float = 120.0) -> None:
+        """Start a component stopped by :meth:`stop_component` again, with the same command
+        line (ports, data directory); waits for the apiserver's /readyz when it is back up."""
+        if name not in self.commands:
+            raise ClusterError(f"no component {name!r}; components: {', '.join(self.commands)}")
+        if name in self.processes and self.processes[name].poll() is None:
+            raise ClusterError(f"{name} is already running")
+        self._launch(name)
+        if "kube-apiserver" in self.processes:
+            self.wait_ready(timeout)
+
+    def restart(self, name: str, down_for: float = 0.0, sig: int = signal.SIGTERM) -> None:
+        """Stop one component, keep it down ``down_for`` seconds, start it again."""
+        self.stop_component(name, sig)
+        if down_for > 0:
+            time.sleep(down_for)
+        self.start_component(name)
 
     def stop(self) -> None:
         for name in reversed(list(self.processes)):
