@@ -38,6 +38,7 @@ import kopf
 from batchpilot_operator import controller, opmetrics
 from batchpilot_operator.control.cache import CHILD_KINDS, Caches, Key, child_informers
 from batchpilot_operator.control.workqueue import WorkQueue
+from batchpilot_operator.credentials import TokenFile
 from batchpilot_operator.kube import USER_AGENT, Kube, TransientKubeError, api_client
 from batchpilot_operator.prom import PrometheusBackend
 from batchpilot_operator.spec import API_VERSION, GROUP, KIND, PLURAL, VERSION
@@ -129,6 +130,10 @@ def login(logger: kopf.Logger, settings: kopf.OperatorSettings, **_: Any) -> kop
     if info is None:
         return None
     fields = {f.name: getattr(info, f.name) for f in dataclasses.fields(info)}
+    token_file = os.environ.get("BATCHPILOT_TOKEN_FILE")
+    if token_file:
+        # kopf logs in again after a 401: the file's current token is the one to use then.
+        fields.update(scheme="Bearer", token=TokenFile(token_file).token())
     return _IdentifiedConnection(**fields, user_agent=f"{USER_AGENT}/{IDENTITY} kopf")
 
 
@@ -165,6 +170,7 @@ async def configure(settings: kopf.OperatorSettings, memo: kopf.Memo, **_: Any) 
     metrics = PrometheusBackend(
         os.environ.get("BATCHPILOT_PROMETHEUS_URL", "http://prometheus-operated.monitoring:9090"),
         timeout=float(os.environ.get("BATCHPILOT_PROMETHEUS_TIMEOUT", "5")),
+        bearer_token_file=os.environ.get("BATCHPILOT_PROMETHEUS_BEARER_TOKEN_FILE") or None,
     )
     state = memo["loop"] = Loop(kube, metrics, caches, WORKERS)
     state.informers = informers

@@ -164,7 +164,12 @@ def prometheus_outage(s: Stage, drill: Drill, outage_s: float, deadline_s: float
         time.sleep(0.5)
     s.prom.start()
     t1 = time.monotonic()
-    after = s.wait(lambda st: st.get("phase") == "RolledBack" and not stalled(st), 60, "settled after the outage")
+    # Stalled stays True, now with reason RolledBack: the rolled-back revision is still desired.
+    after = s.wait(
+        lambda st: st.get("phase") == "RolledBack" and (condition(st, "Stalled") or {}).get("reason") == "RolledBack",
+        60,
+        "settled after the outage",
+    )
     assert after["stableRevision"] == stable
     assert len(s.harness.endpoints("shop")) >= 2, "the stable track keeps serving"
     drill.recovered(time.monotonic() - t1)
@@ -214,7 +219,7 @@ def test_slow_apiserver(slow_apiserver: tuple[Stage, Toxiproxy], drill: Drill) -
     requests0 = s.op.metric("batchpilot_operator_api_requests_total")
     toxi.latency("apiserver", latency_ms)
     t0 = time.monotonic()
-    stable, canary = s.start_canary("3ms")
+    _, canary = s.start_canary("3ms")
     done = s.wait(
         lambda st: st.get("stableRevision") == canary and st.get("phase") == "Healthy", 240, "promotion, slow apiserver"
     )
