@@ -165,13 +165,18 @@ def stage(
     *,
     prometheus_timeout: float = 1.0,
     kubeconfig: Path | None = None,
+    prometheus_front: Callable[[PrometheusServer], str] | None = None,
+    extra_args: tuple[str, ...] = (),
 ) -> Iterator[Stage]:
     """Start the stack, with policy ``shop`` Healthy under load (a generator for a fixture).
 
-    ``kubeconfig``: the operator's own (e.g. through a proxy in front of the apiserver)."""
+    ``kubeconfig``: the operator's own (e.g. through a proxy in front of the apiserver).
+    ``prometheus_front``: the URL the operator queries, given the Prometheus (default: through
+    the Toxiproxy proxy ``prometheus``)."""
     prom = start_prometheus(tmp_path / "prom")
     toxi = Toxiproxy(tmp_path / "toxiproxy")
     proxy = toxi.proxy("prometheus", f"127.0.0.1:{prom.port}")
+    prom_url = prometheus_front(prom) if prometheus_front else f"http://{proxy.listen}"
     harness = RuntimeHarness(kube.kubeconfig, namespace, tmp_path / "runtime", prom).start()
     op_kube = Kube(kubeconfig, kube.kubectl_bin, kube.external) if kubeconfig else kube
     op: OperatorProcess | None = None
@@ -181,8 +186,9 @@ def stage(
             op_kube,
             namespace,
             tmp_path,
-            prometheus_url=f"http://{proxy.listen}",
+            prometheus_url=prom_url,
             resync=1.0,
+            extra_args=extra_args,
             env={"BATCHPILOT_PROMETHEUS_TIMEOUT": str(prometheus_timeout)},
         )
         trace = load_trace(TRACE)
