@@ -417,11 +417,19 @@ class Runtime:
         else:
             resp = _json_response(500, payload)
             m.outcome(lane_name, "failed")
-        latency.observe(time.perf_counter() - arrival)
+        elapsed = time.perf_counter() - arrival
+        latency.observe(elapsed)
+        # The server's own view of the request's time (W3C Server-Timing): from the handler's
+        # start to the answer, what requestTimeout bounds; a client's measurement adds transit.
+        resp.headers["Server-Timing"] = f"total;dur={elapsed * 1000:.3f}"
         return resp
 
     def _reject_full(self, lane: str, message: str) -> web.Response:
-        """429 with a Retry-After that grows with the overload (:mod:`batchpilot_runtime.shedding`)."""
+        """429 with a Retry-After that grows with the overload (:mod:`batchpilot_runtime.shedding`).
+
+        (Holding the 429 back in a retry storm, to slow clients that ignore the header, was
+        tried in drill 8 and dropped: a client's pooled connections fill with held rejections
+        and its admissible requests queue behind them, so the goodput fell further.)"""
         if self.metrics is not None:
             self.metrics.outcome(lane, "rejected_full")
         self.shedding.rejected()

@@ -42,7 +42,7 @@ def test_token_file_rereads_only_when_the_file_changes(tmp_path: Path) -> None:
 
 
 def test_token_file_missing_or_empty_is_a_clear_error(tmp_path: Path) -> None:
-    with pytest.raises(CredentialError, match="token file .*missing"):
+    with pytest.raises(CredentialError, match=r"token file .*missing"):
         TokenFile(tmp_path / "missing")
     (tmp_path / "empty").write_text("\n")
     with pytest.raises(CredentialError, match="is empty"):

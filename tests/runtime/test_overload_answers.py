@@ -33,6 +33,8 @@ async def test_running_request_is_answered_504_at_its_deadline(server: Server) -
         took = time.monotonic() - t0
         assert status == 504, doc
         assert "its batch was still running" in doc["error"]
+        server_ms = float(doc["_headers"]["Server-Timing"].removeprefix("total;dur="))
+        assert 1000 <= server_ms < 1500, server_ms
         assert 0.9 <= took < 3.0, took  # at the 1 s deadline, not when the gate opens (60 s)
         # Meanwhile the full lane sheds with a Retry-After in whole seconds.
         blocked = asyncio.create_task(infer(session, server, body([6]), lane_header="short"))
@@ -44,8 +46,7 @@ async def test_running_request_is_answered_504_at_its_deadline(server: Server) -
         assert int(doc["_headers"]["Retry-After"]) >= 1
         server.open_gate()
         await blocked
-        status, _ = await infer(session, server, body([8]), lane_header="other")
+        status, doc = await infer(session, server, body([8]), lane_header="other")
         assert status == 200
+        assert 0 < float(doc["_headers"]["Server-Timing"].removeprefix("total;dur=")) < 10_000
     assert server.metric("batchpilot_requests_total", lane="short", outcome="timed_out") - timed0 >= 1
-
-
