@@ -17,6 +17,8 @@ from __future__ import annotations
 import logging
 import os
 import threading
+import time
+from collections.abc import Callable
 from pathlib import Path
 
 log = logging.getLogger(__name__)
@@ -94,3 +96,37 @@ def auth_ok(target: str) -> None:
         opmetrics.AUTH_OK.labels(target).set(1)
         if was_failing:
             log.info("%s accepts the operator's credentials again", target)
+
+
+def fresh_token(
+    token_file: TokenFile,
+    rejected: str | None,
+    target: str = "kubernetes",
+    poll: float = 1.0,
+    sleep: Callable[[float], None] = time.sleep,
+) -> str:
+    """The file's token, once it differs from ``rejected`` (the token the server refused).
+
+    For a client that logs in again after a 401 (kopf does): handing it the refused token again
+    makes it give up ("ran out of valid credentials") and the operator exit; waiting here for
+    the file to change keeps the process up, and it resumes as soon as a valid token is written
+    (the kubelet rotates a projected token; an operator of the cluster replaces a revoked one).
+    """
+    token = _read_or_none(token_file)
+    if rejected is not None and token in (None, rejected):
+        auth_failed(target, f"HTTP 401 with the token of {token_file.path}")
+        log.error("%s: waiting for a new token in %s", target, token_file.path)
+        while token in (None, rejected):
+            sleep(poll)
+            token = _read_or_none(token_file)
+        auth_ok(target)
+    assert token is not None
+    return token
+
+
+def _read_or_none(token_file: TokenFile) -> str | None:
+    try:
+        return token_file.token()
+    except CredentialError as exc:
+        log.warning("%s", exc)
+        return None

@@ -150,3 +150,26 @@ def test_prometheus_bearer_token_rotation_and_revocation(guarded: tuple[BearerAu
     m = backend.measure(["q"])
     assert m["q"].error and "prometheus credentials: token file" in m["q"].error
     assert proxy.forwarded == forwarded
+
+
+def test_fresh_token_waits_for_the_file_to_replace_a_refused_token(tmp_path: Path) -> None:
+    from batchpilot_operator.credentials import fresh_token
+
+    path = tmp_path / "token"
+    path.write_text("old")
+    tf = TokenFile(path)
+    assert fresh_token(tf, None) == "old"  # first login: whatever the file holds
+    sleeps: list[float] = []
+
+    def sleep(seconds: float) -> None:  # the kubelet rotates the file while we wait
+        sleeps.append(seconds)
+        if len(sleeps) == 2:
+            path.unlink()  # mid-rotation: missing for a moment, not an error
+        if len(sleeps) == 3:
+            rotate(path, "new")
+
+    before = opmetrics.AUTH_ERRORS.labels("kubernetes")._value.get()
+    assert fresh_token(tf, "old", sleep=sleep) == "new"
+    assert len(sleeps) == 3
+    assert opmetrics.AUTH_ERRORS.labels("kubernetes")._value.get() == before + 1
+    assert opmetrics.AUTH_OK.labels("kubernetes")._value.get() == 1
