@@ -62,3 +62,4 @@ fi
 # --- the local control plane ----------------------------------------------------------
 say "control plane binaries (go build through the module proxy; first time ~7 min on 2 cores)"
 bash hack/k8s/build.sh
+bash hack/build-toxiproxy.sh  # Toxiproxy v2.12.0 for the dependency drills (tests/drills)

@@ -38,7 +38,8 @@ import kopf
 from batchpilot_operator import controller, opmetrics
 from batchpilot_operator.control.cache import CHILD_KINDS, Caches, Key, child_informers
 from batchpilot_operator.control.workqueue import WorkQueue
-from batchpilot_operator.kube import USER_AGENT, Kube, TransientKubeError, api_client
+from batchpilot_operator.credentials import TokenFile, fresh_token
+from batchpilot_operator.kube import USER_AGENT, Kube, TransientKubeError, api_client, kubeconfig_token_file
 from batchpilot_operator.prom import PrometheusBackend
 from batchpilot_operator.spec import API_VERSION, GROUP, KIND, PLURAL, VERSION
 
@@ -123,12 +124,28 @@ class _IdentifiedConnection(kopf.ConnectionInfo):
         return {**super().as_http_headers(), "User-Agent": self.user_agent}
 
 
+_LOGIN_TOKEN: list[str] = []  # the token the last login handed to kopf (it logs in again only after a 401)
+
+
 @kopf.on.login()
 def login(logger: kopf.Logger, settings: kopf.OperatorSettings, **_: Any) -> kopf.ConnectionInfo | None:
     info = kopf.login_via_client(logger=logger, settings=settings)
     if info is None:
         return None
     fields = {f.name: getattr(info, f.name) for f in dataclasses.fields(info)}
+    kubeconfig = os.environ.get("BATCHPILOT_KUBECONFIG")
+    token_file = os.environ.get("BATCHPILOT_TOKEN_FILE") or (kubeconfig_token_file(kubeconfig) if kubeconfig else None)
+    if token_file:
+        # kopf logs in again after a 401: the file's current token is the one to use then. (Read
+        # by TokenFile, which strips the line end: the client library keeps a trailing newline of
+        # a kubeconfig tokenFile, and aiohttp refuses that header: found by drill 5.)
+        # After a 401, wait for the file to hold another token rather than give kopf the refused
+        # one again (it would give up and the operator exit: found by drill 5).
+        token = fresh_token(TokenFile(token_file), _LOGIN_TOKEN[0] if _LOGIN_TOKEN else None)
+        _LOGIN_TOKEN[:] = [token]
+        fields.update(scheme="Bearer", token=token)
+    elif isinstance(fields.get("token"), str):
+        fields["token"] = fields["token"].strip()
     return _IdentifiedConnection(**fields, user_agent=f"{USER_AGENT}/{IDENTITY} kopf")
 
 
@@ -165,6 +182,7 @@ async def configure(settings: kopf.OperatorSettings, memo: kopf.Memo, **_: Any) 
     metrics = PrometheusBackend(
         os.environ.get("BATCHPILOT_PROMETHEUS_URL", "http://prometheus-operated.monitoring:9090"),
         timeout=float(os.environ.get("BATCHPILOT_PROMETHEUS_TIMEOUT", "5")),
+        bearer_token_file=os.environ.get("BATCHPILOT_PROMETHEUS_BEARER_TOKEN_FILE") or None,
     )
     state = memo["loop"] = Loop(kube, metrics, caches, WORKERS)
     state.informers = informers

@@ -11,14 +11,23 @@ Every write is reported to an optional :class:`WriteObserver` (the watch-fed cac
 delivers the write reads what was written, not the older state. Every request is counted in
 ``batchpilot_operator_api_requests_total`` (by verb), and carries the user agent
 ``batchpilot-operator/<identity>`` so the apiserver's audit log can tell replicas apart.
+
+Credentials: a bearer token kept in a file (``--token-file``, or the kubeconfig user's
+``tokenFile``, as a projected ServiceAccount token is in a pod) is re-read whenever the file
+changes, so a rotated token is used without a restart (the client library alone reads it once).
+A 401 answer is counted in ``batchpilot_operator_auth_errors_total{target="kubernetes"}``
+and logged once (:mod:`batchpilot_operator.credentials`); the request fails as before and is
+retried, and the first request after a valid token is back succeeds.
 """
 
 from __future__ import annotations
 
 import json
 import logging
+import os
 from dataclasses import dataclass
 from datetime import UTC, datetime
+from pathlib import Path
 from typing import Any, Protocol
 
 from kubernetes import client, config, dynamic
@@ -26,6 +35,7 @@ from kubernetes.client import rest
 from kubernetes.client.exceptions import ApiException
 from kubernetes.dynamic.exceptions import ConflictError, NotFoundError, UnprocessibleEntityError
 
+from batchpilot_operator import credentials
 from batchpilot_operator.children import FIELD_MANAGER, LABEL_POLICY, Manifest, applied_hash
 from batchpilot_operator.spec import API_VERSION, KIND
 
@@ -59,6 +69,9 @@ def api_client(kubeconfig: str | None = None, user_agent: str = USER_AGENT) -> c
             config.load_kube_config()
         result = client.ApiClient()
     assert isinstance(result, client.ApiClient)
+    token_file = os.environ.get("BATCHPILOT_TOKEN_FILE") or (kubeconfig_token_file(kubeconfig) if kubeconfig else None)
+    if token_file:
+        use_token_file(result.configuration, credentials.TokenFile(token_file))
     # Reconcile threads (16 by default) and informers share the pool: room for all of them,
     # so no TLS connection is set up per request.
     result.configuration.connection_pool_maxsize = 32
@@ -66,6 +79,33 @@ def api_client(kubeconfig: str | None = None, user_agent: str = USER_AGENT) -> c
     result.user_agent = user_agent
     _count_requests(result)
     return result
+
+
+def kubeconfig_token_file(kubeconfig: str) -> str | None:
+    """The ``tokenFile`` of the current context's user in ``kubeconfig`` (relative paths are
+    relative to the kubeconfig, as kubectl reads them), or None."""
+    import yaml
+
+    data = yaml.safe_load(Path(kubeconfig).read_text()) or {}
+    contexts = {c.get("name"): c.get("context") or {} for c in data.get("contexts") or []}
+    user_name = contexts.get(data.get("current-context"), {}).get("user")
+    users = {u.get("name"): u.get("user") or {} for u in data.get("users") or []}
+    token_file = users.get(user_name, {}).get("tokenFile")
+    if not token_file:
+        return None
+    path = Path(token_file)
+    return str(path if path.is_absolute() else Path(kubeconfig).resolve().parent / path)
+
+
+def use_token_file(configuration: client.Configuration, token: credentials.TokenFile) -> None:
+    """Authenticate every request with ``token``'s current content (re-read when it changes)."""
+
+    def refresh(cfg: client.Configuration) -> None:
+        cfg.api_key["BearerToken"] = f"Bearer {token.token()}"
+        cfg.api_key_prefix.pop("BearerToken", None)
+
+    refresh(configuration)
+    configuration.refresh_api_key_hook = refresh  # type: ignore[assignment]  # the stub says None
 
 
 def _count_requests(api: client.ApiClient) -> None:
@@ -82,7 +122,16 @@ def _count_requests(api: client.ApiClient) -> None:
             # The client's default is no timeout at all: one request that an apiserver going
             # away never answers held its reconcile (and so its policy) for good (drill 2).
             kwargs["_request_timeout"] = REQUEST_TIMEOUT
-        return request(method, url, *args, **kwargs)
+        try:
+            answer = request(method, url, *args, **kwargs)
+        except ApiException as exc:
+            if exc.status == 401:  # an invalid token; a 403 is RBAC, not the credential
+                credentials.auth_failed("kubernetes", f"HTTP {exc.status} {exc.reason}")
+            else:
+                credentials.auth_ok("kubernetes")
+            raise
+        credentials.auth_ok("kubernetes")
+        return answer
 
     rest.request = counted  # type: ignore[method-assign]
 

@@ -90,6 +90,17 @@ DEGRADED = Gauge(
     "with its reason (StableUnderCapacity, StableUnavailable)",
     ["namespace", "policy", "reason"],
 )
+AUTH_ERRORS = Counter(
+    "batchpilot_operator_auth_errors_total",
+    "Requests rejected for our credentials (HTTP 401/403), by target (kubernetes, prometheus): "
+    "an expired or revoked token",
+    ["target"],
+)
+AUTH_OK = Gauge(
+    "batchpilot_operator_auth_ok",
+    "1 while the target accepted the operator's last request, 0 after it rejected its credentials",
+    ["target"],
+)
 PHASES = ("Pending", "Progressing", "Paused", "Healthy", "RolledBack", "Degraded")
 
 

@@ -12,6 +12,13 @@ next analysis interval, so the backend makes one attempt per query, bounded by `
 and after the first connection-level failure in a batch it stops and marks the rest of the
 batch with the same error (one unreachable server costs one timeout, not one per query).
 
+Credentials: with ``bearer_token_file`` every query carries ``Authorization: Bearer <token>``
+(Prometheus behind an authenticating proxy such as kube-rbac-proxy, or a managed Prometheus),
+the file re-read whenever it changes (:class:`batchpilot_operator.credentials.TokenFile`): a
+rotated token is used without a restart. A 401/403 answer is an ``Error`` measurement like an
+outage (the rollout holds or rolls back by ``onMetricsUnavailable``), and is also counted in
+``batchpilot_operator_auth_errors_total{target="prometheus"}`` and logged once.
+
 All queries of one ``measure`` call are evaluated at the same instant (the ``time``
 parameter of the query API), so a p99 and its sample count, and the canary and the stable
 track, cover exactly the same window.
@@ -20,6 +27,8 @@ track, cover exactly the same window.
 from __future__ import annotations
 
 import math
+import os
+import re
 import time
 from collections.abc import Mapping, Sequence
 from typing import Any, cast
@@ -29,6 +38,7 @@ from prometheus_api_client.exceptions import PrometheusApiClientException
 from prometheus_api_client.prometheus_connect import PrometheusConnect
 from urllib3.util.retry import Retry
 
+from batchpilot_operator import credentials
 from batchpilot_operator.analysis import Measurement, MetricsBackend
 
 __all__ = ["Measurement", "MetricsBackend", "PrometheusBackend", "buckets_from_result", "scalar_from_result"]
@@ -102,9 +112,10 @@ def measurement_from_result(query: str, result: Any) -> Measurement:
 class PrometheusBackend:
     """``MetricsBackend`` over a Prometheus HTTP API at ``url``."""
 
-    def __init__(self, url: str, timeout: float = 5.0) -> None:
+    def __init__(self, url: str, timeout: float = 5.0, bearer_token_file: str | os.PathLike[str] | None = None) -> None:
         self.url = url.rstrip("/")
         self.timeout = timeout
+        self.token = credentials.TokenFile(bearer_token_file) if bearer_token_file else None
         self._client = PrometheusConnect(url=self.url, retry=Retry(total=0, raise_on_status=False))
 
     def close(self) -> None:
@@ -115,6 +126,11 @@ class PrometheusBackend:
         params = {"time": f"{time.time() if at is None else at:.3f}"}
         out: dict[str, Measurement] = {}
         unreachable: str | None = None
+        if self.token is not None:
+            try:
+                self._client.headers = {"Authorization": f"Bearer {self.token.token()}"}
+            except credentials.CredentialError as exc:
+                unreachable = f"prometheus credentials: {exc}"
         for query in queries:
             if query in out:
                 continue
@@ -125,14 +141,31 @@ class PrometheusBackend:
                 # requests takes float seconds; the client's annotation says int.
                 result = self._client.custom_query(query, params=params, timeout=cast(int, self.timeout))
                 out[query] = measurement_from_result(query, result)
+                credentials.auth_ok("prometheus")
             except (requests.ConnectionError, requests.Timeout) as exc:
                 unreachable = f"prometheus unreachable at {self.url}: {type(exc).__name__}"
                 out[query] = Measurement(query=query, error=unreachable)
             except PrometheusApiClientException as exc:
+                status = _status_code(str(exc))
+                if status in (401, 403):
+                    credentials.auth_failed("prometheus", f"HTTP {status} from {self.url}")
+                    unreachable = f"prometheus rejected the operator's credentials: HTTP {status}"
+                    out[query] = Measurement(query=query, error=unreachable)
+                    continue
+                credentials.auth_ok("prometheus")
                 out[query] = Measurement(query=query, error=f"prometheus error: {_short(str(exc))}")
             except (requests.RequestException, ValueError, KeyError, TypeError, IndexError) as exc:
                 out[query] = Measurement(query=query, error=f"bad response: {_short(repr(exc))}")
         return out
+
+
+_STATUS = re.compile(r"^HTTP Status Code (\d{3})\b")
+
+
+def _status_code(message: str) -> int | None:
+    """The HTTP status of a prometheus-api-client error ("HTTP Status Code 401 (...)")."""
+    match = _STATUS.match(message)
+    return int(match.group(1)) if match else None
 
 
 def _short(text: str, limit: int = 200) -> str:

@@ -41,6 +41,7 @@ from batchpilot_runtime.protocol import (
     error_body,
     parse_infer,
 )
+from batchpilot_runtime.shedding import RetryAfter
 
 log = logging.getLogger("batchpilot.runtime")
 
@@ -86,6 +87,7 @@ class Runtime:
         self.idle = asyncio.Event()
         self.idle.set()
         self.capture = Capture(cfg, track, *capture_bounds_from_env())
+        self.shedding = RetryAfter(time.monotonic)
 
     # -- startup -----------------------------------------------------------------------------
     def load(self) -> None:
@@ -186,9 +188,19 @@ class Runtime:
             )  # fmt: skip
 
     def _on_timer(self, r: Pending) -> None:
+        """``requestTimeout`` after arrival: a queued request is withdrawn (never run); one whose
+        batch is still running is answered 504 now and its result discarded, so no client waits
+        longer than its lane's requestTimeout for an answer (drill 8: under overload a request
+        dispatched just before its deadline used to be answered a batch later)."""
         assert self.worker is not None
         if self.worker.withdraw(r, State.TIMED_OUT):
             self._answer_timeout(r)
+        elif not r.future.done():
+            lane = self.cfg.lanes[r.lane]
+            r.future.set_result(
+                (_TIMEOUT, f"request did not complete within lane {lane.name!r} requestTimeout "
+                 f"({lane.request_timeout:g}s): its batch was still running; the result is discarded", 0)
+            )  # fmt: skip
 
     # -- handlers ------------------------------------------------------------------------------
     async def live(self, request: web.Request) -> web.Response:
@@ -336,6 +348,20 @@ class Runtime:
                 m.outcome(header_lane or self.default_lane, "unavailable", tenant)
             why = "server is shutting down" if self.draining else "model is not ready yet"
             return _json_response(503, why, {"Retry-After": RETRY_AFTER_S})
+        # Shed before reading and parsing the body when the lane is known from the header (or is
+        # the only lane) and its queue is full: under a retry storm most requests are rejected,
+        # and each rejection should cost as little as possible of the CPU the batches need.
+        # (Advisory read without the lock; ``submit`` checks again under it.)
+        known = header_lane or (self.default_lane if len(self.cfg.lanes) == 1 else None)
+        early = self.lane_index.get(known) if known is not None else None
+        if early is not None:
+            queue = self.worker.scheduler.lanes[early]
+            if queue.live_count >= queue.cfg.max_queue_length:
+                return self._reject_full(
+                    queue.name,
+                    f"lane {queue.name!r} queue is full (maxQueueLength {queue.cfg.max_queue_length}); retry later",
+                    tenant,
+                )
         body = await request.read()
         json_len_text = request.headers.get(BINARY_HEADER)
         spec: TensorSpec = self.model.input
@@ -367,8 +393,8 @@ class Runtime:
         try:
             self.worker.submit(req)
         except QueueFull as exc:
-            m.outcome(lane_name, "rejected_full", tenant)
-            return _json_response(429, str(exc), {"Retry-After": RETRY_AFTER_S})
+            return self._reject_full(lane_name, str(exc), tenant)
+        self.shedding.admitted()
         self.inflight += 1
         remaining = lane_cfg.request_timeout - (time.perf_counter() - arrival)
         req.timer = loop.call_later(max(remaining, 0.0), self._on_timer, req)
@@ -397,8 +423,23 @@ class Runtime:
         else:
             resp = _json_response(500, payload)
             m.outcome(lane_name, "failed", tenant)
-        latency.observe(time.perf_counter() - arrival)
+        elapsed = time.perf_counter() - arrival
+        latency.observe(elapsed)
+        # The server's own view of the request's time (W3C Server-Timing): from the handler's
+        # start to the answer, what requestTimeout bounds; a client's measurement adds transit.
+        resp.headers["Server-Timing"] = f"total;dur={elapsed * 1000:.3f}"
         return resp
+
+    def _reject_full(self, lane: str, message: str, tenant: str) -> web.Response:
+        """429 with a Retry-After that grows with the overload (:mod:`batchpilot_runtime.shedding`).
+
+        (Holding the 429 back in a retry storm, to slow clients that ignore the header, was
+        tried in drill 8 and dropped: a client's pooled connections fill with held rejections
+        and its admissible requests queue behind them, so the goodput fell further.)"""
+        if self.metrics is not None:
+            self.metrics.outcome(lane, "rejected_full", tenant)
+        self.shedding.rejected()
+        return _json_response(429, message, {"Retry-After": self.shedding.retry_after()})
 
     # -- shutdown ------------------------------------------------------------------------------
     async def drain(self) -> None:

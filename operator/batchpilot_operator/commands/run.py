@@ -30,6 +30,17 @@ def register(sub: Any) -> None:
         default=os.environ.get("BATCHPILOT_PROMETHEUS_URL"),
         help="Prometheus that scrapes the runtime pods",
     )
+    p.add_argument(
+        "--prometheus-bearer-token-file",
+        default=os.environ.get("BATCHPILOT_PROMETHEUS_BEARER_TOKEN_FILE"),
+        help="send this file's token to Prometheus (Authorization: Bearer); re-read when the file changes",
+    )
+    p.add_argument(
+        "--token-file",
+        default=os.environ.get("BATCHPILOT_TOKEN_FILE"),
+        help="bearer token for the Kubernetes API (e.g. a projected ServiceAccount token), re-read when the "
+        "file changes; default: the kubeconfig user's tokenFile, which is re-read the same way",
+    )
     p.add_argument("--namespace", action="append", default=[], help="watch only these namespaces (repeatable)")
     p.add_argument("--metrics-port", type=int, default=8080, help="operator metrics port (0: off)")
     p.add_argument("--health-port", type=int, default=8081, help="kopf liveness endpoint port (0: off)")
@@ -56,6 +67,18 @@ def run(args: argparse.Namespace) -> int:
         os.environ["KUBECONFIG"] = args.kubeconfig
     if args.prometheus_url:
         os.environ["BATCHPILOT_PROMETHEUS_URL"] = args.prometheus_url
+    for flag, path, env in (
+        (
+            "--prometheus-bearer-token-file",
+            args.prometheus_bearer_token_file,
+            "BATCHPILOT_PROMETHEUS_BEARER_TOKEN_FILE",
+        ),
+        ("--token-file", args.token_file, "BATCHPILOT_TOKEN_FILE"),
+    ):
+        if path:
+            if not os.path.isfile(path):
+                raise SystemExit(f"{flag}: no such file {path!r}")
+            os.environ[env] = os.path.abspath(path)
     if args.resync is not None:
         if args.resync < 0:
             raise SystemExit(f"--resync must be >= 0 seconds, got {args.resync}")
