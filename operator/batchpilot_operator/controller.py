@@ -17,10 +17,10 @@ from typing import Any, Protocol
 
 from pydantic import ValidationError
 
-from batchpilot_operator import children, opmetrics, recommender
+from batchpilot_operator import children, fairness, opmetrics, recommender, traffic
 from batchpilot_operator.analysis import AnalysisResult, MetricsBackend, run_analysis
 from batchpilot_operator.children import LABEL_REVISION, Manifest, Track
-from batchpilot_operator.kube import Kube, same_json
+from batchpilot_operator.kube import Kube, TransientKubeError, same_json
 from batchpilot_operator.planner import (
     Commands,
     Decision,
@@ -31,7 +31,7 @@ from batchpilot_operator.planner import (
     analysis_target,
     plan,
 )
-from batchpilot_operator.spec import PolicySpec, parse_spec
+from batchpilot_operator.spec import PolicySpec, TrafficRouting, parse_spec
 from batchpilot_operator.status import Status
 
 log = logging.getLogger(__name__)
@@ -115,7 +115,16 @@ def reconcile(
         track: reader.get("apps/v1", "Deployment", namespace, children.deployment_name(name, track))
         for track in ("stable", "canary")
     }
-    observed = Observed(stable=observe_track(deployments["stable"]), canary=observe_track(deployments["canary"]))
+    routing = spec.rollout.traffic_routing
+    route: Manifest | None = None
+    if routing is not None:
+        # Read from the API (not a cache): the weights are written against this resourceVersion.
+        route = kube.get(traffic.GATEWAY_API_VERSION, traffic.HTTPROUTE_KIND, namespace, routing.gateway_api.http_route)
+    observed = Observed(
+        stable=observe_track(deployments["stable"]),
+        canary=observe_track(deployments["canary"]),
+        route=traffic.observe_route(route, routing, name) if routing is not None else None,
+    )
 
     analysis: AnalysisResult | None = None
     target = analysis_target(status)
@@ -131,6 +140,10 @@ def reconcile(
             now=now,
             history=status.rollout.evidence if status.rollout is not None else None,
         )
+        if routing is not None:
+            analysis = fairness.judge_load(
+                metrics, analysis, routing, policy=name, namespace=namespace, spec=spec, now=now, emit=emit
+            )
 
     decision = plan(
         PlanInputs(
@@ -143,7 +156,7 @@ def reconcile(
             commands=Commands.from_annotations(meta.get("annotations")),
         )
     )
-    writes = execute(kube, body, spec, decision, deployments, reader)
+    writes = execute(kube, body, spec, decision, deployments, reader, route)
     for event in decision.events:
         emit(event.type, event.reason, event.message)
     opmetrics.record(namespace, name, spec, decision)
@@ -162,8 +175,12 @@ def execute(
     decision: Decision,
     deployments: dict[Track, Manifest | None],
     reader: ChildReader | None = None,
+    route: Manifest | None = None,
 ) -> int:
-    """Make the children match the decision, then write the status; count the writes."""
+    """Make the children match the decision, then write the status; count the writes.
+
+    Order (never drops a request): ConfigMaps, the stable, the canary scaled up, the Services,
+    the route's weights (``traffic``), and only then a canary scaled away."""
     meta = body["metadata"]
     name, namespace, uid = meta["name"], meta["namespace"], meta["uid"]
     reader = reader or kube
@@ -194,11 +211,15 @@ def execute(
             ),
             deployments["canary"],
         )
-    elif deployments["canary"] is not None:
-        writes += kube.delete("apps/v1", "Deployment", namespace, children.deployment_name(name, "canary"))
 
     service = children.build_service(name, namespace, uid)
     writes += kube.apply(service, reader.get("v1", "Service", namespace, name))
+    routing = spec.rollout.traffic_routing
+    if routing is not None:
+        writes += write_route(kube, reader, body, routing, decision, route)
+
+    if not (decision.canary_revision and decision.canary_replicas > 0) and deployments["canary"] is not None:
+        writes += kube.delete("apps/v1", "Deployment", namespace, children.deployment_name(name, "canary"))
 
     keep = set(decision.keep_revisions) | set(needed)
     for revision, cm in configmaps.items():
@@ -212,3 +233,51 @@ def execute(
         kube.replace_status(namespace, name, meta["resourceVersion"], new_status)
         writes += 1
     return writes
+
+
+def write_route(
+    kube: Kube,
+    reader: ChildReader,
+    body: dict[str, Any],
+    routing: TrafficRouting,
+    decision: Decision,
+    route: Manifest | None,
+) -> int:
+    """The track Services, then the HTTPRoute's weights (only ``spec.rules``, by server-side
+    apply under our field manager, conditional on the route's resourceVersion)."""
+    meta = body["metadata"]
+    name, namespace, uid = meta["name"], meta["namespace"], meta["uid"]
+    writes = 0
+    ports: dict[str, int] = {}
+    for track in ("stable", "canary"):
+        svc_name = traffic.track_service_name(name, track)
+        current = reader.get("v1", "Service", namespace, svc_name)
+        if current is not None and not children.owned_by_policy(current, name):
+            # A track Service someone else made (labelled with the policy): used as it is.
+            ports[track] = children.service_port(current) or children.TRACK_SERVICE_PORT
+            continue
+        writes += kube.apply(children.build_track_service(name, namespace, uid, track), current)
+        ports[track] = children.TRACK_SERVICE_PORT
+    if decision.route is None:
+        return writes
+    if route is None:
+        raise TransientKubeError(
+            f"HTTPRoute {namespace}/{routing.gateway_api.http_route} (spec.rollout.trafficRouting) not found"
+        )
+    try:
+        rules = traffic.route_rules(route, routing, name, decision.route, ports)
+    except traffic.RouteError as exc:
+        raise TransientKubeError(str(exc)) from exc
+    if same_json(rules, (route.get("spec") or {}).get("rules")):
+        return writes
+    kube.apply_fields(traffic.route_apply_body(route, rules))
+    log.info(
+        "%s/%s: HTTPRoute %s weights stable %d / canary %d%s",
+        namespace,
+        name,
+        routing.gateway_api.http_route,
+        decision.route.stable_weight,
+        decision.route.canary_weight,
+        " (+ header rule)" if decision.route.header and routing.header else "",
+    )
+    return writes + 1

@@ -137,6 +137,24 @@ class Kube:
             self.observer.wrote(written.to_dict())
         return True
 
+    def apply_fields(self, body: Manifest) -> Manifest:
+        """Server-side apply a partial object (only the fields the operator owns, e.g. an
+        HTTPRoute's rules) under the ``batchpilot`` field manager. A ``metadata.resourceVersion``
+        in ``body`` makes it conditional: a concurrent change is a conflict, retried later."""
+        resource = self._resource(body["apiVersion"], body["kind"])
+        try:
+            written = self.dyn.server_side_apply(
+                resource,
+                body=body,
+                namespace=body["metadata"]["namespace"],
+                field_manager=FIELD_MANAGER,
+                force_conflicts=True,
+            )
+        except (ConflictError, UnprocessibleEntityError, ApiException) as exc:
+            raise TransientKubeError(f"applying {body['kind']} {body['metadata']['name']}: {exc}") from exc
+        result: Manifest = written.to_dict()
+        return result
+
     def delete(self, api_version: str, kind: str, namespace: str, name: str) -> bool:
         try:
             self._resource(api_version, kind).delete(
