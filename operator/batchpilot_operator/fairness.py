@@ -6,8 +6,11 @@ stable pod gets 45%. A dynamic batcher fed 4.5x less fills smaller batches; its 
 queue age are not the ones it would show at full load, usually better (less queueing), so a
 Successful verdict on it is optimistic. Two things keep the comparison fair:
 
-1. the canary is sized to its weight (``traffic.split_for_routing``: ``ceil(N * w / 100)``
-   pods), which is as close to the stable's per-pod rate as whole pods allow; and
+1. the canary is sized to its weight (``traffic.split_for_routing``: ``round(N * w / (100 - w))``
+   pods, at least 1, at most N, beside the stable's N), which is as close to the stable's
+   per-pod rate as whole pods allow (at 50% of 2 replicas, 2 canary pods: 25% each, as each
+   stable pod; 1 canary pod there would get twice a stable pod's load, a pessimistic
+   comparison that rolled good changes back in the end-to-end test); and
 2. this check: every analysis also measures the **per-pod arrival rate** of both tracks (all
    requests over the analysis window per pod that served any); when the canary's is below
    ``trafficRouting.minCanaryLoadRatio`` (default 0.5) of the stable's, its Successful checks

@@ -7,8 +7,10 @@ the step's weight exactly. Three functions decide it; ``controller`` carries the
 
 * :func:`split_for_routing`: replicas per track. The stable keeps all ``replicas`` for the
   whole rollout (it can take 100% back at any moment, so a rollback never waits for pods); the
-  canary gets ``ceil(replicas * weight / 100)`` pods, at least 1, so that its per-pod arrival
-  rate is as close to the stable's as whole pods allow (``fairness`` judges what remains).
+  canary gets ``round(replicas * w / (100 - w))`` pods (at least 1, at most ``replicas``): the
+  count at which a canary pod's share ``w / c`` equals a stable pod's ``(100 - w) / replicas``,
+  so its per-pod arrival rate is as close to the stable's as whole pods allow (``fairness``
+  judges what remains).
 * :func:`desired_route`: the weight to write now, from the status the planner decided and the
   observed Deployments and route. The order never drops a request: a weight moves to the
   canary only once the canary's pods of that step are ready (until then it keeps the weight
@@ -55,7 +57,9 @@ def split_for_routing(total: int, weight: int) -> tuple[int, int]:
         raise ValueError(f"weight must be 0..100, got {weight}")
     if weight == 0:
         return total, 0
-    return total, max(1, min(total, math.ceil(total * weight / 100 - 1e-9)))
+    if weight >= 100:
+        return total, total
+    return total, max(1, min(total, math.floor(total * weight / (100 - weight) + 0.5)))
 
 
 @dataclass(frozen=True)
@@ -168,9 +172,22 @@ def observe_route(route: Manifest | None, routing: TrafficRouting, policy: str) 
 
 
 def backend_refs(policy: str, target: RouteTarget, ports: Mapping[str, int]) -> list[dict[str, Any]]:
+    # group and kind as the apiserver defaults them, so an unchanged route compares equal
     return [
-        {"name": track_service_name(policy, "stable"), "port": ports["stable"], "weight": target.stable_weight},
-        {"name": track_service_name(policy, "canary"), "port": ports["canary"], "weight": target.canary_weight},
+        {
+            "group": "",
+            "kind": "Service",
+            "name": track_service_name(policy, "stable"),
+            "port": ports["stable"],
+            "weight": target.stable_weight,
+        },
+        {
+            "group": "",
+            "kind": "Service",
+            "name": track_service_name(policy, "canary"),
+            "port": ports["canary"],
+            "weight": target.canary_weight,
+        },
     ]
 
 
@@ -196,7 +213,7 @@ def route_rules(
     if target.header and routing.header is not None:
         header_rule: dict[str, Any] = {
             "matches": _header_matches(target_rule, routing),
-            "backendRefs": [{"name": canary, "port": ports["canary"], "weight": 1}],
+            "backendRefs": [{"group": "", "kind": "Service", "name": canary, "port": ports["canary"], "weight": 1}],
         }
         if "filters" in target_rule:
             header_rule["filters"] = copy.deepcopy(target_rule["filters"])

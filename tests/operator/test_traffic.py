@@ -203,12 +203,16 @@ def check_invariants(observed: Observed, d: Decision, s: PolicySpec) -> None:
 
 
 def test_split_for_routing() -> None:
+    # a canary pod's share w/c as close as whole pods allow to a stable pod's (100-w)/N
     assert split_for_routing(2, 10) == (2, 1)
-    assert split_for_routing(2, 50) == (2, 1)
+    assert split_for_routing(2, 25) == (2, 1)
+    assert split_for_routing(2, 50) == (2, 2)
     assert split_for_routing(4, 25) == (4, 1)
-    assert split_for_routing(4, 30) == (4, 2)
+    assert split_for_routing(4, 40) == (4, 3)
     assert split_for_routing(10, 25) == (10, 3)
+    assert split_for_routing(10, 75) == (10, 10)
     assert split_for_routing(3, 100) == (3, 3)
+    assert split_for_routing(1, 1) == (1, 1)
     assert split_for_routing(5, 0) == (5, 0)
     with pytest.raises(ValueError):
         split_for_routing(0, 10)
@@ -265,7 +269,7 @@ def test_promotion_keeps_canary_weight_until_new_stable_ready() -> None:
     w.spec = spec(lane_window="6ms")
     promoted = w.run_until(lambda d: any(e.reason == "Promoted" for e in d.events))
     assert promoted.route is not None and promoted.route.canary_weight == 50, "no weight moves at the promotion"
-    assert promoted.canary_replicas == 1
+    assert promoted.canary_replicas == 2  # 50% of 2 replicas: 2 canary pods
     nxt = w.tick()  # stable asked for the new revision last tick: not ready yet in the world
     assert nxt.route is not None
     # the invariant checker asserted the stable was ready when the weight went back
@@ -323,8 +327,8 @@ def test_route_rules_change_only_the_target_backends() -> None:
     assert rules[0] == ROUTE["spec"]["rules"][0]
     assert rules[1]["timeouts"] == {"request": "10s"} and rules[1]["matches"] == ROUTE["spec"]["rules"][1]["matches"]
     assert rules[1]["backendRefs"] == [
-        {"name": "chat-stable", "port": 80, "weight": 75},
-        {"name": "chat-canary", "port": 80, "weight": 25},
+        {"group": "", "kind": "Service", "name": "chat-stable", "port": 80, "weight": 75},
+        {"group": "", "kind": "Service", "name": "chat-canary", "port": 80, "weight": 25},
     ]
     body = route_apply_body(ROUTE, rules)
     assert body["metadata"]["resourceVersion"] == "42" and set(body["spec"]) == {"rules"}
@@ -335,7 +339,7 @@ def test_header_rule_added_before_target_and_removed() -> None:
     rules = route_rules(ROUTE, r, "chat", RouteTarget(10, True), PORTS)
     assert [x.get("name") for x in rules] == ["admin", None, "infer"]
     header = rules[1]
-    assert header["backendRefs"] == [{"name": "chat-canary", "port": 80, "weight": 1}]
+    assert header["backendRefs"] == [{"group": "", "kind": "Service", "name": "chat-canary", "port": 80, "weight": 1}]
     assert header["matches"] == [
         {
             "path": {"type": "PathPrefix", "value": "/v2"},
@@ -354,7 +358,13 @@ def test_header_rule_added_before_target_and_removed() -> None:
 def test_first_rule_by_default_and_missing_rule_is_an_error() -> None:
     r = TrafficRouting.model_validate({"gatewayAPI": {"httpRoute": "chat"}})
     rules = route_rules(ROUTE, r, "chat", RouteTarget(10, False), PORTS)
-    assert rules[0]["backendRefs"][1] == {"name": "chat-canary", "port": 80, "weight": 10}
+    assert rules[0]["backendRefs"][1] == {
+        "group": "",
+        "kind": "Service",
+        "name": "chat-canary",
+        "port": 80,
+        "weight": 10,
+    }
     with pytest.raises(RouteError, match="no rule named 'nope'"):
         route_rules(
             ROUTE,

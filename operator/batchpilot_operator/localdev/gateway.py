@@ -28,10 +28,13 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import http.client
 import itertools
+import json
 import os
 import shutil
 import signal
+import socket
 import subprocess
 import sys
 import tempfile
@@ -180,9 +183,7 @@ class TrackProxy:
 class LocalGateway:
     """Contour + Envoy serving one Gateway in ``namespace``; ``url`` is its HTTP listener."""
 
-    def __init__(
-        self, kubeconfig: Path, kubectl_bin: str, workdir: Path, namespace: str, endpoints: Endpoints
-    ) -> None:
+    def __init__(self, kubeconfig: Path, kubectl_bin: str, workdir: Path, namespace: str, endpoints: Endpoints) -> None:
         self.kubeconfig = kubeconfig
         self.kubectl = [kubectl_bin, f"--kubeconfig={kubeconfig}"]
         self.workdir = workdir
@@ -337,7 +338,9 @@ class LocalGateway:
                             LABEL_TRACK: track,
                             "app.kubernetes.io/managed-by": LOCAL_MANAGER,
                         },
-                        "annotations": {"batchpilot.dev/local": "ExternalName to the local track proxy (localdev/gateway.py)"},
+                        "annotations": {
+                            "batchpilot.dev/local": "ExternalName to the local track proxy (localdev/gateway.py)"
+                        },
                     },
                     "spec": {
                         "type": "ExternalName",
@@ -367,6 +370,34 @@ class LocalGateway:
             time.sleep(0.3)
         raise GatewayError(f"Envoy did not serve {path} within {timeout}s (last: {last}); logs in {self.workdir}")
 
+    def admin(self, path: str) -> Any:
+        """GET Envoy's admin interface (a Unix socket) and decode its JSON answer."""
+        conn = _UnixHTTPConnection(str(self.admin_dir / "admin.sock"))
+        try:
+            conn.request("GET", path)
+            return json.loads(conn.getresponse().read())
+        finally:
+            conn.close()
+
+    def envoy_weights(self, policy: str) -> dict[str, int] | None:
+        """The canary/stable weights Envoy itself routes by (from its config dump), or None
+        when no route of Envoy's names the policy's stable Service yet."""
+        dump = self.admin("/config_dump?resource=dynamic_route_configs")
+        for config in dump.get("configs", []):
+            for vhost in config.get("route_config", {}).get("virtual_hosts", []):
+                for route in vhost.get("routes", []):
+                    clusters = route.get("route", {}).get("weighted_clusters", {}).get("clusters", [])
+                    weights = {
+                        track: sum(int(c.get("weight", 0)) for c in clusters if f"/{policy}-{track}/" in c["name"])
+                        for track in TRACKS
+                    }
+                    if any(f"/{policy}-stable/" in c["name"] for c in clusters):
+                        return weights
+                    single = route.get("route", {}).get("cluster", "")
+                    if f"/{policy}-stable/" in single:
+                        return {"stable": 100, "canary": 0}
+        return None
+
     def stop(self) -> None:
         for proc in reversed(list(self.procs.values())):
             if proc.poll() is None:
@@ -387,6 +418,18 @@ class LocalGateway:
 
     def __exit__(self, *exc: object) -> None:
         self.stop()
+
+
+class _UnixHTTPConnection(http.client.HTTPConnection):
+    def __init__(self, path: str) -> None:
+        super().__init__("localhost", timeout=5)
+        self.path = path
+
+    def connect(self) -> None:
+        sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        sock.settimeout(5)
+        sock.connect(self.path)
+        self.sock = sock
 
 
 def httproute(name: str, namespace: str, gateway: str, policy: str, ports: dict[str, int]) -> dict[str, Any]:
