@@ -34,7 +34,7 @@ import aiohttp
 import pytest
 
 from batchpilot_operator.localdev.gateway import LocalGateway, httproute
-from batchpilot_operator.localdev.harness import RuntimeHarness, RuntimeProcess
+from batchpilot_operator.localdev.harness import RuntimeHarness
 from batchpilot_operator.localdev.load import ROW, TraceReplay
 from batchpilot_operator.localdev.prometheus import PrometheusServer
 from batchpilot_operator.tune.trace import load_trace
@@ -239,9 +239,7 @@ def scenario(kube: Kube, namespace: str, prometheus: PrometheusServer, tmp_path:
         )
         op = start_operator(kube, namespace, tmp_path, prometheus_url=prometheus.url, resync=1.0)
         trace = load_trace(TRACE)
-        front = RuntimeProcess(
-            pod="gateway", policy="shop", revision="-", track="gateway", port=gw.envoy_port, proc=None, ready=True
-        )  # type: ignore[arg-type]
+        front = gw.front("shop")
         replay = TraceReplay(trace.scaled_arrivals(BACKGROUND_RATE), lambda: [front], model="tiny").start()
         yield Scenario(kube, namespace, op, harness, gw)
     finally:

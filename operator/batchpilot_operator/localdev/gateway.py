@@ -14,7 +14,10 @@ Everything that differs from a real cluster is in this module:
   creates its track Services ``<policy>-stable`` and ``<policy>-canary`` itself, as
   ExternalName Services to ``127.0.0.1`` on a port of this module's **track proxy**: a TCP proxy
   per (policy, track) that spreads connections over the runtime processes playing that track's
-  ready pods, as kube-proxy spreads them over a Service's endpoints. Contour must be told to
+  ready pods, as kube-proxy spreads them over a Service's endpoints. kwok reports a pod Ready
+  before its runtime process has loaded the model, so a connection to a track whose pods have
+  no ready process yet is held (up to :data:`READY_WAIT`) rather than refused: in a cluster the
+  readiness probe keeps such a pod out of the endpoints. Contour must be told to
   accept ExternalName Services (``enableExternalNameService: true``). The operator uses track
   Services it did not create as they are (it only creates them when absent), so it writes the
   same HTTPRoute weights as in a cluster, and Envoy applies them.
@@ -57,6 +60,8 @@ DEFAULT_BIN_DIR = REPO_ROOT / ".cache" / "contour-bin"
 CONTROLLER_NAME = "projectcontour.io/gateway-controller"
 LOCAL_MANAGER = "batchpilot-localdev"
 TRACKS = ("stable", "canary")
+READY_WAIT = 30.0
+"""Seconds a connection to a track waits for a ready runtime process before it is closed."""
 
 Endpoints = Callable[[str], list[RuntimeProcess]]
 """policy -> its ready runtime processes (``RuntimeHarness.endpoints``)."""
@@ -142,7 +147,17 @@ class TrackProxy:
 
     async def _handle(self, key: tuple[str, str], reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         policy, track = key
-        targets = sorted((p for p in self.endpoints(policy) if p.track == track), key=lambda p: p.pod)
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + READY_WAIT
+        while True:
+            # off the loop: the harness holds its lock while it starts or drains a process
+            ready = await loop.run_in_executor(None, self.endpoints, policy)
+            targets = sorted((p for p in ready if p.track == track), key=lambda p: p.pod)
+            if targets or loop.time() > deadline:
+                break
+            # kwok reports a pod Ready before the harness's process has loaded its model (in a
+            # cluster the readiness probe covers this): hold the connection until one is.
+            await asyncio.sleep(0.1)
         if not targets:
             writer.close()
             return
@@ -369,6 +384,19 @@ class LocalGateway:
                 last = exc
             time.sleep(0.3)
         raise GatewayError(f"Envoy did not serve {path} within {timeout}s (last: {last}); logs in {self.workdir}")
+
+    def front(self, policy: str) -> RuntimeProcess:
+        """Envoy's listener as the one target of a ``TraceReplay`` (the replay's per-track
+        stats then say ``gateway``; which track served is in the runtimes' own metrics)."""
+        return RuntimeProcess(
+            pod="gateway",
+            policy=policy,
+            revision="-",
+            track="gateway",
+            port=self.envoy_port,
+            proc=None,  # type: ignore[arg-type]  # not a process of ours
+            ready=True,
+        )
 
     def admin(self, path: str) -> Any:
         """GET Envoy's admin interface (a Unix socket) and decode its JSON answer."""
