@@ -104,6 +104,19 @@ INVALID: list[tuple[str, Callable[[dict[str, Any]], None], str]] = [
     ("error-rate-negative", _set("lanes.1.slo.maxErrorRate", -0.1), "maxErrorRate"),
     ("error-rate-not-a-number", _set("slo.maxErrorRate", "1%"), "maxErrorRate"),
     ("error-rate-quoted", _set("slo.maxErrorRate", "0.05"), "maxErrorRate"),
+    # spec.rollout.trafficRouting (issue 13)
+    ("routing-route-name", _set("rollout.trafficRouting", {"gatewayAPI": {"httpRoute": "Bad_Route"}}), "httpRoute"),
+    ("routing-no-gateway-api", _set("rollout.trafficRouting", {"minCanaryLoadRatio": 0.5}), "gatewayAPI"),
+    (
+        "routing-header-name",
+        _set("rollout.trafficRouting", {"gatewayAPI": {"httpRoute": "r"}, "header": {"name": "x t", "value": "v"}}),
+        "header.name",
+    ),
+    (
+        "routing-load-ratio-over-one",
+        _set("rollout.trafficRouting", {"gatewayAPI": {"httpRoute": "r"}, "minCanaryLoadRatio": 2}),
+        "minCanaryLoadRatio",
+    ),
 ]
 
 # Types: the CRD's OpenAPI types are strict (no "8" for an integer, no 5 for a duration string);

@@ -24,7 +24,7 @@ from batchpilot_operator.planner import Decision
 from batchpilot_operator.spec import parse_spec
 from batchpilot_operator.status import Status
 from batchpilot_operator.traffic import GATEWAY_API_VERSION, HTTPROUTE_KIND, RouteObserved, RouteTarget, observe_route
-from bptest import Kube, policy
+from bptest import REPO, Kube, policy
 
 pytestmark = [pytest.mark.cluster]
 
@@ -179,3 +179,9 @@ def test_a_missing_route_or_rule_is_a_clear_error(kube: Kube, namespace: str, ga
     argo_sync(kube, namespace, git)
     with pytest.raises(opkube.TransientKubeError, match="no rule named 'infer'"):
         op.write(RouteTarget(10, False))
+
+
+def test_example_route_is_admitted(kube: Kube, namespace: str, gateway_crds: None) -> None:
+    example = REPO / "manifests" / "examples" / "gateway" / "httproute.yaml"
+    result = kube.kubectl("apply", "--dry-run=server", "-n", namespace, "-f", str(example), check=False)
+    assert result.returncode == 0, result.stderr
