@@ -24,7 +24,12 @@ from typing import Any, Protocol
 from kubernetes import client, config, dynamic
 from kubernetes.client import rest
 from kubernetes.client.exceptions import ApiException
-from kubernetes.dynamic.exceptions import ConflictError, NotFoundError, UnprocessibleEntityError
+from kubernetes.dynamic.exceptions import (
+    ConflictError,
+    NotFoundError,
+    ResourceNotFoundError,
+    UnprocessibleEntityError,
+)
 
 from batchpilot_operator.children import FIELD_MANAGER, LABEL_POLICY, Manifest, applied_hash
 from batchpilot_operator.spec import API_VERSION, KIND
@@ -102,6 +107,10 @@ class Kube:
             obj = self._resource(api_version, kind).get(name=name, namespace=namespace)
         except NotFoundError:
             return None
+        except ResourceNotFoundError as exc:  # discovery: the kind is not served at all
+            raise TransientKubeError(
+                f"{kind} ({api_version}) is not served by this cluster: are its CRDs installed? ({exc})"
+            ) from exc
         result: Manifest = obj.to_dict()
         return result
 

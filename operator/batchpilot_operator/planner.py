@@ -723,7 +723,12 @@ class _Planner:
         finishing = False
         draining = False
         routed = spec.rollout.traffic_routing is not None
-        route_canary = observed.route.canary_weight if observed.route is not None else 0
+        # the canary still takes traffic on the route: by weight, or by our header rule
+        route_canary = (
+            max(observed.route.canary_weight, 1 if observed.route.header_rule else 0)
+            if observed.route is not None
+            else 0
+        )
         canary_rev: str | None = None
         if r is not None:
             split = split_for(spec, r.step_weight)

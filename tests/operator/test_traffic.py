@@ -293,6 +293,20 @@ def test_new_canary_gets_no_weight_before_ready_and_header_rule_follows() -> Non
     assert rolled.route == RouteTarget(canary_weight=0, header=False)
 
 
+def test_header_only_traffic_also_drains_before_the_canary_goes() -> None:
+    """A canary that takes only header traffic (weight 0, our header rule on the route) is
+    scaled away only once the route is seen without the rule."""
+    w = healthy_world(spec(header={"name": "x-tenant", "value": "acme"}))
+    w.spec = spec(lane_window="6ms", header={"name": "x-tenant", "value": "acme"})
+    w.run_until(lambda d: d.route is not None and d.route.canary_weight == 10)
+    rolled = w.run_until(lambda d: d.status.phase is Phase.ROLLED_BACK, p99=1.0)
+    assert rolled.canary_replicas == 1 and rolled.route == RouteTarget(0, False)
+    w.route = RouteObserved(100, 0, True)  # the weight is 0 on the route, the header rule not yet gone
+    assert w.tick().canary_replicas == 1, "header traffic still reaches the canary: keep it"
+    assert w.route == RouteObserved(100, 0, False)
+    assert w.tick().canary_replicas == 0
+
+
 # --------------------------------------------------------------------------- the route object
 
 ROUTE: dict[str, Any] = {
