@@ -62,5 +62,5 @@ fi
 # --- the local control plane ----------------------------------------------------------
 say "control plane binaries (go build through the module proxy; first time ~7 min on 2 cores)"
 bash hack/k8s/build.sh
-say "Contour (the local Gateway API controller; first time ~2 min on 2 cores)"
+say "Contour (the local Gateway API controller; go install, first time ~4 min on 2 cores)"
 bash hack/build-contour.sh
