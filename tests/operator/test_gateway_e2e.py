@@ -11,6 +11,8 @@ harness), Contour and Envoy (``localdev/gateway.py``); every request goes throug
 * A bad change is rolled back, and a watch of the HTTPRoute and the canary Deployment shows
   the route at weight 0 (resourceVersion order, which etcd makes total) before the canary
   Deployment is deleted.
+* A background replay of the trace goes through Envoy the whole time (every step, the
+  promotion, the rollback): every one of its requests is answered 200.
 
 Figures are printed and written to $BATCHPILOT_E2E_REPORT (JSON) when set.
 """
@@ -187,9 +189,16 @@ class Watch:
 
 class Scenario:
     def __init__(
-        self, kube: Kube, namespace: str, op: OperatorProcess, harness: RuntimeHarness, gw: LocalGateway
+        self,
+        kube: Kube,
+        namespace: str,
+        op: OperatorProcess,
+        harness: RuntimeHarness,
+        gw: LocalGateway,
+        replay: TraceReplay,
     ) -> None:
         self.kube, self.namespace, self.op, self.harness, self.gw = kube, namespace, op, harness, gw
+        self.replay = replay
 
     def status(self) -> dict[str, Any]:
         return (self.kube.get("batchingpolicy", "shop", self.namespace) or {}).get("status") or {}
@@ -241,7 +250,7 @@ def scenario(kube: Kube, namespace: str, prometheus: PrometheusServer, tmp_path:
         trace = load_trace(TRACE)
         front = gw.front("shop")
         replay = TraceReplay(trace.scaled_arrivals(BACKGROUND_RATE), lambda: [front], model="tiny").start()
-        yield Scenario(kube, namespace, op, harness, gw)
+        yield Scenario(kube, namespace, op, harness, gw, replay)
     finally:
         if replay is not None:
             replay.stop()
@@ -354,6 +363,11 @@ def test_weights_header_and_rollback_through_contour_and_envoy(scenario: Scenari
     managers = {m["manager"] for m in route["metadata"]["managedFields"]}
     assert {ARGO, "batchpilot"} <= managers, managers
 
+    # Nothing was dropped: every request of the background replay, sent through Envoy the
+    # whole time (canary steps, promotion, rollback), was answered 200.
+    stats = s.replay.stats[("-", "gateway")]
+    figures["background"] = {"sent": stats.sent, "ok": stats.ok, "errors": stats.errors}
+    assert stats.errors == 0 and s.replay.dropped_no_endpoint == 0, figures["background"]
     sys.stderr.write(f"\n[gateway e2e] {json.dumps(figures)}\n")
     if os.environ.get("BATCHPILOT_E2E_REPORT"):
         Path(os.environ["BATCHPILOT_E2E_REPORT"]).write_text(json.dumps(figures, indent=2))
