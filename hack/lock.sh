@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Regenerates the Python lock files hack/setup.sh installs from; run it after changing the
 # dependencies in pyproject.toml, and commit the result:
-#   hack/requirements.lock        every dependency of batchpilot[operator,runtime,demo,dev] but torch
+#   hack/requirements.lock        every dependency of batchpilot[operator,runtime,demo,dev,gateway] but torch
 #   hack/requirements-torch.lock  torch and what it needs (PyPI's build, with its CUDA libraries)
 # Both come from one resolution (so a package both need has one version), universal (markers
 # for other platforms and Python >= 3.11) and with hashes (pip/uv install them in hash-checking
@@ -11,7 +11,7 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 UV=${UV:-$( [[ -x .venv/bin/uv ]] && echo .venv/bin/uv || echo uv )}
-extras=(--extra operator --extra runtime --extra demo --extra dev)
+extras=(--extra operator --extra runtime --extra demo --extra dev --extra gateway)
 common=(--universal --python-version 3.11 --quiet --no-annotate --custom-compile-command "bash hack/lock.sh")
 tmp=$(mktemp -d); trap 'rm -rf "$tmp"' EXIT
 

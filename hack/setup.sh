@@ -63,3 +63,5 @@ fi
 say "control plane binaries (go build through the module proxy; first time ~7 min on 2 cores)"
 bash hack/k8s/build.sh
 bash hack/build-toxiproxy.sh  # Toxiproxy v2.12.0 for the dependency drills (tests/drills)
+say "Contour (the local Gateway API controller; go install, first time ~4 min on 2 cores)"
+bash hack/build-contour.sh

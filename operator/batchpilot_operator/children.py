@@ -342,3 +342,39 @@ def pod_trouble(pods: list[Manifest], lost_nodes: frozenset[str] = frozenset()) 
     if len(problems) > TROUBLE_LIMIT:
         problems = [*problems[:TROUBLE_LIMIT], f"and {len(problems) - TROUBLE_LIMIT} more"]
     return "; ".join(problems)
+
+
+def build_track_service(policy: str, namespace: str, uid: str, track: Track) -> Manifest:
+    """``<policy>-<track>``: one track's pods, the backend a Gateway API route weighs
+    (``spec.rollout.trafficRouting``; see ``traffic``)."""
+    return _stamp(
+        {
+            "apiVersion": "v1",
+            "kind": "Service",
+            "metadata": {
+                "name": f"{policy}-{track}",
+                "namespace": namespace,
+                "labels": {**common_labels(policy), LABEL_COMPONENT: "inference", LABEL_TRACK: track},
+                "ownerReferences": [owner_reference(policy, uid)],
+            },
+            "spec": {
+                "type": "ClusterIP",
+                "selector": {LABEL_POLICY: policy, LABEL_TRACK: track},
+                "ports": [{"name": "http", "port": TRACK_SERVICE_PORT, "targetPort": "http", "protocol": "TCP"}],
+            },
+        }
+    )
+
+
+TRACK_SERVICE_PORT = 80
+
+
+def service_port(service: Manifest | None) -> int | None:
+    """The first port of a Service (what a route's backendRef to it names)."""
+    ports = ((service or {}).get("spec") or {}).get("ports") or []
+    return int(ports[0]["port"]) if ports else None
+
+
+def owned_by_policy(obj: Manifest | None, policy: str) -> bool:
+    refs = ((obj or {}).get("metadata") or {}).get("ownerReferences") or []
+    return any(r.get("kind") == KIND and r.get("name") == policy for r in refs)

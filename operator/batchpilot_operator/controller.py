@@ -17,10 +17,10 @@ from typing import Any, Protocol
 
 from pydantic import ValidationError
 
-from batchpilot_operator import children, crashpoints, opmetrics, recommender
+from batchpilot_operator import children, crashpoints, fairness, opmetrics, recommender, traffic
 from batchpilot_operator.analysis import AnalysisResult, MetricsBackend, run_analysis
 from batchpilot_operator.children import LABEL_ENVIRONMENT, LABEL_REVISION, LABEL_TRACK, Manifest, Track
-from batchpilot_operator.kube import Kube, same_json
+from batchpilot_operator.kube import Kube, TransientKubeError, same_json
 from batchpilot_operator.planner import (
     Commands,
     Decision,
@@ -32,7 +32,7 @@ from batchpilot_operator.planner import (
     plan,
     pods_needed,
 )
-from batchpilot_operator.spec import PolicySpec, parse_spec
+from batchpilot_operator.spec import PolicySpec, TrafficRouting, parse_spec
 from batchpilot_operator.status import Status
 
 log = logging.getLogger(__name__)
@@ -122,7 +122,16 @@ def reconcile(
         track: reader.get("apps/v1", "Deployment", namespace, children.deployment_name(name, track))
         for track in ("stable", "canary")
     }
-    observed = Observed(stable=observe_track(deployments["stable"]), canary=observe_track(deployments["canary"]))
+    routing = spec.rollout.traffic_routing
+    route: Manifest | None = None
+    if routing is not None:
+        # Read from the API (not a cache): the weights are written against this resourceVersion.
+        route = kube.get(traffic.GATEWAY_API_VERSION, traffic.HTTPROUTE_KIND, namespace, routing.gateway_api.http_route)
+    observed = Observed(
+        stable=observe_track(deployments["stable"]),
+        canary=observe_track(deployments["canary"]),
+        route=traffic.observe_route(route, routing, name) if routing is not None else None,
+    )
 
     analysis: AnalysisResult | None = None
     target = analysis_target(status)
@@ -139,6 +148,10 @@ def reconcile(
             history=status.rollout.evidence if status.rollout is not None else None,
             environment=environment_of(body),
         )
+        if routing is not None:
+            analysis = fairness.judge_load(
+                metrics, analysis, routing, policy=name, namespace=namespace, spec=spec, now=now, emit=emit
+            )
 
     trouble: dict[str, str] = {}
     tracks = pods_needed(spec, status, observed, now)
@@ -162,7 +175,7 @@ def reconcile(
             pod_trouble=trouble,
         )
     )
-    writes = execute(kube, body, spec, decision, deployments, reader)
+    writes = execute(kube, body, spec, decision, deployments, reader, route)
     for event in decision.events:
         emit(event.type, event.reason, event.message)
     opmetrics.record(namespace, name, spec, decision)
@@ -181,6 +194,7 @@ def execute(
     decision: Decision,
     deployments: dict[Track, Manifest | None],
     reader: ChildReader | None = None,
+    route: Manifest | None = None,
 ) -> int:
     """Write the status, then make the children match the decision; count the writes.
 
@@ -192,6 +206,9 @@ def execute(
     runs a revision whose ConfigMap is missing: ConfigMaps before the Deployments that mount
     them; a ConfigMap is deleted only once no Deployment, as observed, runs its revision.
     See ``crashpoints`` for the points the drills crash at.
+
+    The children's order never drops a request: ConfigMaps, the stable, the canary scaled
+    up, the Services, the route's weights (``traffic``), and only then a canary scaled away.
     """
     meta = body["metadata"]
     name, namespace, uid = meta["name"], meta["namespace"], meta["uid"]
@@ -265,11 +282,15 @@ def execute(
         writes += created
         if created and deployments["canary"] is None:
             crashpoints.reached("canary-created")
-    elif deployments["canary"] is not None:
-        writes += kube.delete("apps/v1", "Deployment", namespace, children.deployment_name(name, "canary"))
 
     service = children.build_service(name, namespace, uid)
     writes += kube.apply(service, reader.get("v1", "Service", namespace, name))
+    routing = spec.rollout.traffic_routing
+    if routing is not None:
+        writes += write_route(kube, reader, body, routing, decision, route)
+
+    if not (decision.canary_revision and decision.canary_replicas > 0) and deployments["canary"] is not None:
+        writes += kube.delete("apps/v1", "Deployment", namespace, children.deployment_name(name, "canary"))
 
     keep = set(decision.keep_revisions) | set(needed)
     for deployment in deployments.values():  # as observed before this reconcile's writes
@@ -280,3 +301,51 @@ def execute(
         if revision not in keep:
             writes += kube.delete("v1", "ConfigMap", namespace, cm["metadata"]["name"])
     return writes
+
+
+def write_route(
+    kube: Kube,
+    reader: ChildReader,
+    body: dict[str, Any],
+    routing: TrafficRouting,
+    decision: Decision,
+    route: Manifest | None,
+) -> int:
+    """The track Services, then the HTTPRoute's weights (only ``spec.rules``, by server-side
+    apply under our field manager, conditional on the route's resourceVersion)."""
+    meta = body["metadata"]
+    name, namespace, uid = meta["name"], meta["namespace"], meta["uid"]
+    writes = 0
+    ports: dict[str, int] = {}
+    for track in ("stable", "canary"):
+        svc_name = traffic.track_service_name(name, track)
+        current = reader.get("v1", "Service", namespace, svc_name)
+        if current is not None and not children.owned_by_policy(current, name):
+            # A track Service someone else made (labelled with the policy): used as it is.
+            ports[track] = children.service_port(current) or children.TRACK_SERVICE_PORT
+            continue
+        writes += kube.apply(children.build_track_service(name, namespace, uid, track), current)
+        ports[track] = children.TRACK_SERVICE_PORT
+    if decision.route is None:
+        return writes
+    if route is None:
+        raise TransientKubeError(
+            f"HTTPRoute {namespace}/{routing.gateway_api.http_route} (spec.rollout.trafficRouting) not found"
+        )
+    try:
+        rules = traffic.route_rules(route, routing, name, decision.route, ports)
+    except traffic.RouteError as exc:
+        raise TransientKubeError(str(exc)) from exc
+    if same_json(rules, (route.get("spec") or {}).get("rules")):
+        return writes
+    kube.apply_fields(traffic.route_apply_body(route, rules))
+    log.info(
+        "%s/%s: HTTPRoute %s weights stable %d / canary %d%s",
+        namespace,
+        name,
+        routing.gateway_api.http_route,
+        decision.route.stable_weight,
+        decision.route.canary_weight,
+        " (+ header rule)" if decision.route.header and routing.header else "",
+    )
+    return writes + 1

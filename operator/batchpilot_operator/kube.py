@@ -33,7 +33,12 @@ from typing import Any, Protocol
 from kubernetes import client, config, dynamic
 from kubernetes.client import rest
 from kubernetes.client.exceptions import ApiException
-from kubernetes.dynamic.exceptions import ConflictError, NotFoundError, UnprocessibleEntityError
+from kubernetes.dynamic.exceptions import (
+    ConflictError,
+    NotFoundError,
+    ResourceNotFoundError,
+    UnprocessibleEntityError,
+)
 
 from batchpilot_operator import credentials
 from batchpilot_operator.children import FIELD_MANAGER, LABEL_POLICY, Manifest, applied_hash
@@ -157,6 +162,10 @@ class Kube:
             obj = self._resource(api_version, kind).get(name=name, namespace=namespace)
         except NotFoundError:
             return None
+        except ResourceNotFoundError as exc:  # discovery: the kind is not served at all
+            raise TransientKubeError(
+                f"{kind} ({api_version}) is not served by this cluster: are its CRDs installed? ({exc})"
+            ) from exc
         result: Manifest = obj.to_dict()
         return result
 
@@ -191,6 +200,24 @@ class Kube:
         if self.observer is not None:
             self.observer.wrote(written.to_dict())
         return True
+
+    def apply_fields(self, body: Manifest) -> Manifest:
+        """Server-side apply a partial object (only the fields the operator owns, e.g. an
+        HTTPRoute's rules) under the ``batchpilot`` field manager. A ``metadata.resourceVersion``
+        in ``body`` makes it conditional: a concurrent change is a conflict, retried later."""
+        resource = self._resource(body["apiVersion"], body["kind"])
+        try:
+            written = self.dyn.server_side_apply(
+                resource,
+                body=body,
+                namespace=body["metadata"]["namespace"],
+                field_manager=FIELD_MANAGER,
+                force_conflicts=True,
+            )
+        except (ConflictError, UnprocessibleEntityError, ApiException) as exc:
+            raise TransientKubeError(f"applying {body['kind']} {body['metadata']['name']}: {exc}") from exc
+        result: Manifest = written.to_dict()
+        return result
 
     def delete(self, api_version: str, kind: str, namespace: str, name: str) -> bool:
         try:

@@ -100,6 +100,7 @@ from batchpilot_operator.status import (
     Status,
     TenantSummary,
 )
+from batchpilot_operator.traffic import RouteInputs, RouteObserved, RouteTarget, desired_route, split_for_routing
 
 ANNOTATION_PREFIX = "batchpilot.dev/"
 PAUSE_ANNOTATION = ANNOTATION_PREFIX + "pause"
@@ -139,6 +140,8 @@ class TrackObserved:
 class Observed:
     stable: TrackObserved | None = None
     canary: TrackObserved | None = None
+    route: RouteObserved | None = None
+    """The HTTPRoute's weights as read (spec.rollout.trafficRouting only)."""
 
 
 @dataclass(frozen=True)
@@ -214,6 +217,9 @@ class Decision:
     """One entry per analysis consumed: Successful, Failed, Inconclusive, Error."""
     requeue_after: float | None = None
     """Seconds until plan() should run again without an outside change; None: no timer."""
+    route: RouteTarget | None = None
+    """With spec.rollout.trafficRouting: the HTTPRoute weights to write (before any canary
+    scale-down of this decision; see ``traffic``)."""
 
 
 @dataclass(frozen=True)
@@ -237,6 +243,15 @@ def split_replicas(total: int, weight: int) -> ReplicaSplit:
     if weight < 100:
         stable = max(1, stable)
     return ReplicaSplit(stable=stable, canary=canary, effective_weight=_percent(canary, stable + canary))
+
+
+def split_for(spec: PolicySpec, weight: int) -> ReplicaSplit:
+    """Replicas per track for a step weight: the pod ratio, or under trafficRouting the
+    weight set on the route exactly (``traffic.split_for_routing``)."""
+    if spec.rollout.traffic_routing is None:
+        return split_replicas(spec.replicas, weight)
+    stable, canary = split_for_routing(spec.replicas, weight)
+    return ReplicaSplit(stable=stable, canary=canary, effective_weight=weight)
 
 
 def _percent(part: int, whole: int) -> int:
@@ -481,7 +496,7 @@ class _Planner:
             started_at=self.now,
             step_entered_at=self.now,
         )
-        split = split_replicas(self.spec.replicas, step.weight)
+        split = split_for(self.spec, step.weight)
         msg = (
             f"canary {self.desired} started at step 1/{len(self.spec.rollout.steps)}: weight {step.weight}% "
             f"(effective {split.effective_weight}%: {split.canary} canary + {split.stable} stable)"
@@ -495,7 +510,7 @@ class _Planner:
         steps = self.spec.rollout.steps
         r.step_index = min(r.step_index, len(steps) - 1)
         r.step_weight = steps[r.step_index].weight
-        split = split_replicas(self.spec.replicas, r.step_weight)
+        split = split_for(self.spec, r.step_weight)
         if r.step_started_at is not None and not self.st.paused:
             obs = self.inputs.observed.canary
             # Pods lost mid-step (a node gone, a crash; not a resize the spec asked for): the
@@ -685,7 +700,7 @@ class _Planner:
             r.step_started_at = None
             r.passed_lanes = []
             r.inconclusive_streak = 0
-            split = split_replicas(self.spec.replicas, r.step_weight)
+            split = split_for(self.spec, r.step_weight)
             msg = (
                 f"canary {r.revision} to step {r.step_index + 1}/{len(steps)}: weight {r.step_weight}% "
                 f"(effective {split.effective_weight}%)"
@@ -781,9 +796,17 @@ class _Planner:
         os = observed.stable
         stable_ready = os.ready_replicas if os is not None and os.revision == stable_rev else 0
         finishing = False
+        draining = False
+        routed = spec.rollout.traffic_routing is not None
+        # the canary still takes traffic on the route: by weight, or by our header rule
+        route_canary = (
+            max(observed.route.canary_weight, 1 if observed.route.header_rule else 0)
+            if observed.route is not None
+            else 0
+        )
         canary_rev: str | None = None
         if r is not None:
-            split = split_replicas(spec.replicas, r.step_weight)
+            split = split_for(spec, r.step_weight)
             stable_replicas, canary_replicas, canary_rev = split.stable, split.canary, r.revision
             st.current_step_index = r.step_index
             st.step_count = len(spec.rollout.steps)
@@ -796,9 +819,14 @@ class _Planner:
                 and oc is not None
                 and oc.revision == st.stable_revision
                 and oc.replicas > 0
-                and stable_ready < spec.replicas
+                and (stable_ready < spec.replicas or (routed and route_canary > 0))
             ):
                 finishing = True
+                canary_rev, canary_replicas = oc.revision, oc.replicas
+            elif routed and oc is not None and oc.replicas > 0 and route_canary > 0:
+                # Rolled back, aborted or dropped: the canary keeps its pods until the route is
+                # seen at weight 0 (written by this decision), so no request finds it gone.
+                draining = True
                 canary_rev, canary_replicas = oc.revision, oc.replicas
             st.current_step_index = None
             st.step_count = None
@@ -807,6 +835,24 @@ class _Planner:
         st.stable_replicas = stable_replicas
         st.canary_replicas = canary_replicas
         st.canary_weight = _percent(canary_replicas, stable_replicas + canary_replicas)
+        route: RouteTarget | None = None
+        if routed:
+            oc = observed.canary
+            route = desired_route(
+                RouteInputs(
+                    rollout_revision=r.revision if r is not None else None,
+                    step_weight=r.step_weight if r is not None else 0,
+                    step_index=r.step_index if r is not None else 0,
+                    step_ready=r is not None and r.step_started_at is not None,
+                    canary_ready_revision=oc.revision if oc is not None and oc.ready_replicas > 0 else None,
+                    promoting=finishing and stable_ready < spec.replicas,
+                    observed=observed.route,
+                    previous_step_weight=(
+                        spec.rollout.steps[r.step_index - 1].weight if r is not None and r.step_index > 0 else 0
+                    ),
+                )
+            )
+            st.canary_weight = route.canary_weight
 
         stall = self.stall()
         phase, message = self.phase_and_message(stable_ready, finishing, stall)
@@ -838,7 +884,8 @@ class _Planner:
             rollout_outcomes=tuple(self.rollouts),
             rollback_reasons=tuple(self.rollback_reasons),
             analysis_outcomes=tuple(self.analyses),
-            requeue_after=self.requeue(phase, finishing, stable_ready),
+            requeue_after=self.requeue(phase, finishing or draining, stable_ready),
+            route=route,
         )
 
     def phase_and_message(self, stable_ready: int, finishing: bool, stall: tuple[str, str] | None) -> tuple[Phase, str]:

@@ -199,6 +199,7 @@ class RolloutSpec(_Spec):
         gt=0,
         description="how long a step may wait for its canary pods to be ready before the canary is rolled back",
     )
+    traffic_routing: TrafficRouting | None = Field(default=None, alias="trafficRouting")
 
     @model_validator(mode="after")
     def _steps_increasing(self) -> RolloutSpec:
@@ -362,3 +363,56 @@ def _drop_nulls(value: Any) -> Any:
 
 def describe_duration(seconds: float) -> str:
     return format_duration(seconds)
+
+
+# --------------------------------------------------------------------------- traffic routing (issue 13)
+
+HTTP_HEADER_NAME_PATTERN = r"^[A-Za-z0-9!#$%&'*+\-.^_`|~]+$"
+"""An HTTP header name (RFC 7230 token), as Gateway API's HTTPHeaderName admits it."""
+K8S_NAME_PATTERN = r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)*$"
+SECTION_NAME_PATTERN = r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?$"
+
+
+class HeaderMatch(_Spec):
+    """Requests carrying this header (exact value) go to the canary from its first ready step."""
+
+    name: str = Field(min_length=1, max_length=256, pattern=HTTP_HEADER_NAME_PATTERN)
+    value: str = Field(min_length=1, max_length=4096)
+
+
+class GatewayAPIRouting(_Spec):
+    http_route: str = Field(
+        alias="httpRoute",
+        min_length=1,
+        max_length=253,
+        pattern=K8S_NAME_PATTERN,
+        description="the HTTPRoute (in the policy's namespace) that fronts the model",
+    )
+    rule: str | None = Field(
+        default=None,
+        min_length=1,
+        max_length=253,
+        pattern=SECTION_NAME_PATTERN,
+        description="the name of the route's rule whose backendRefs the operator weighs (default: its first rule)",
+    )
+
+
+class TrafficRouting(_Spec):
+    """Canary weights set exactly on a Gateway API HTTPRoute instead of the replica ratio."""
+
+    gateway_api: GatewayAPIRouting = Field(alias="gatewayAPI")
+    header: HeaderMatch | None = None
+    min_canary_load_ratio: float = Field(
+        default=0.5,
+        alias="minCanaryLoadRatio",
+        ge=0,
+        le=1,
+        description=(
+            "a canary pod fed below this fraction of a stable pod's arrival rate cannot pass a step"
+            " (its batches would be smaller, its latency optimistic): such an analysis is Inconclusive"
+        ),
+    )
+
+
+RolloutSpec.model_rebuild()
+PolicySpec.model_rebuild()

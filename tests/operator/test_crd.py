@@ -111,6 +111,19 @@ INVALID: list[tuple[str, Callable[[dict[str, Any]], None], str]] = [
     ("tenants-reserved", _set("tenants", {"names": ["a", "other"]}), "reserved"),
     ("tenants-name-invalid", _set("tenants", {"names": ["Team_A"]}), "names"),
     ("tenants-header-invalid", _set("tenants", {"names": ["a"], "header": "X Tenant"}), "header"),
+    # spec.rollout.trafficRouting (issue 13)
+    ("routing-route-name", _set("rollout.trafficRouting", {"gatewayAPI": {"httpRoute": "Bad_Route"}}), "httpRoute"),
+    ("routing-no-gateway-api", _set("rollout.trafficRouting", {"minCanaryLoadRatio": 0.5}), "gatewayAPI"),
+    (
+        "routing-header-name",
+        _set("rollout.trafficRouting", {"gatewayAPI": {"httpRoute": "r"}, "header": {"name": "x t", "value": "v"}}),
+        "header.name",
+    ),
+    (
+        "routing-load-ratio-over-one",
+        _set("rollout.trafficRouting", {"gatewayAPI": {"httpRoute": "r"}, "minCanaryLoadRatio": 2}),
+        "minCanaryLoadRatio",
+    ),
 ]
 
 # Types: the CRD's OpenAPI types are strict (no "8" for an integer, no 5 for a duration string);

@@ -352,6 +352,7 @@ def test_examples_apply(kube: Kube, namespace: str) -> None:
     result = kube.kubectl("apply", "-k", str(MANIFESTS / "examples"), "-n", namespace)
     assert sorted(re.findall(r"batchingpolicy\.batchpilot\.dev/(\S+) created", result.stdout)) == [
         "chat-embedder",
+        "chat-ranker",
         "nightly-scorer",
         "search-ranker",
     ]

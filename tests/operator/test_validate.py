@@ -159,18 +159,18 @@ def test_examples_pass_with_the_mlp_profile() -> None:
     result = validate(EXAMPLES, "--profile", MLP_PROFILE, "-o", "json")
     assert result.returncode == 0, result.stdout + result.stderr
     report = json.loads(result.stdout)
-    assert report["ok"] is True and report["policies"] == 3 and report["errors"] == 0
+    assert report["ok"] is True and report["policies"] == 4 and report["errors"] == 0
     checked = {f["policy"] for f in report["findings"] if f["check"] != "profile"}
     # the two MLP policies were checked against the profile; the transformer one says it was not
     unchecked = [f for f in report["findings"] if "no latency profile" in f["message"]]
     assert [f["policy"] for f in unchecked] == ["search-ranker"]
-    assert checked <= {"chat-embedder", "nightly-scorer"}
+    assert checked <= {"chat-embedder", "chat-ranker", "nightly-scorer"}
 
 
 def test_examples_pass_schema_only() -> None:
     result = validate(*sorted(EXAMPLES.glob("*.yaml")))
     assert result.returncode == 0, result.stdout
-    assert re.search(r"OK: 3 policies in \d+ file\(s\), 0 error\(s\), 0 warning\(s\)$", result.stdout.strip())
+    assert re.search(r"OK: 4 policies in \d+ file\(s\), 0 error\(s\), 0 warning\(s\)$", result.stdout.strip())
 
 
 def test_infeasible_policy_fails_with_a_clear_message(tmp_path: Path) -> None:

@@ -1,8 +1,9 @@
 """The main job on one machine (`make demo` / `batchpilot demo`).
 
 Brings up the real local control plane, a real Prometheus, the operator and the runtime
-harness (one runtime server process per pod), applies the demo policy, replays the real
-arrival trace against it, then applies two changes the way a GitOps pipeline would
+harness (one runtime server process per pod), the local Gateway API data plane (Contour and
+Envoy, ``localdev/gateway.py``) with the policy's HTTPRoute, applies the demo policy (its canary
+weights set on that route), replays the real arrival trace through Envoy, then applies two changes the way a GitOps pipeline would
 (server-side apply under Argo CD's field manager): a good one, promoted through every step,
 and a bad one, rolled back by the operator. It prints progress as it goes, ends with
 ``kubectl batchpilot status``, ``history`` and ``recommend``, and writes a report (PNG plot of p99 latency
@@ -33,6 +34,7 @@ from rich.console import Console
 
 from batchpilot_operator.localdev import free_port
 from batchpilot_operator.localdev.cluster import REPO_ROOT, LocalCluster
+from batchpilot_operator.localdev.gateway import LocalGateway, httproute
 from batchpilot_operator.localdev.harness import RuntimeHarness
 from batchpilot_operator.localdev.load import TraceReplay
 from batchpilot_operator.localdev.prometheus import PrometheusServer
@@ -60,6 +62,7 @@ class Demo:
         self.harness: RuntimeHarness | None = None
         self.operator: subprocess.Popen[bytes] | None = None
         self.replay: TraceReplay | None = None
+        self.gateway: LocalGateway | None = None
 
     # ---- set-up and tear-down -------------------------------------------------------------
     @contextlib.contextmanager
@@ -86,6 +89,18 @@ class Demo:
         self.prom.start()
         self.say(f"Prometheus up at {self.prom.url}")
         self.harness = RuntimeHarness(self.cluster.kubeconfig, NAMESPACE, self.workdir / "runtime", self.prom).start()
+        self.gateway = LocalGateway(
+            self.cluster.kubeconfig,
+            str(self.cluster.bin_dir / "kubectl"),
+            self.workdir / "gateway",
+            NAMESPACE,
+            self.harness.endpoints,
+        ).start()
+        self.gateway.add_policy(POLICY)
+        ports = {t: self.gateway.proxy.ports[(POLICY, t)] for t in ("stable", "canary")}
+        route = httproute(POLICY, NAMESPACE, self.gateway.gateway, POLICY, ports)
+        self.kubectl_input(json.dumps(route), "apply", "--server-side", "--field-manager=argocd-controller", "-f", "-")
+        self.say(f"Contour + Envoy serving the Gateway at {self.gateway.url} (HTTPRoute {POLICY})")
         self.operator = start_operator(self.cluster.kubeconfig, self.prom.url, self.workdir / "operator.log", NAMESPACE)
         self.say(f"operator running (log: {self.workdir / 'operator.log'})")
 
@@ -96,6 +111,8 @@ class Demo:
             self.operator.terminate()
             with contextlib.suppress(subprocess.TimeoutExpired):
                 self.operator.wait(timeout=15)
+        if self.gateway:
+            self.gateway.stop()
         if self.harness:
             self.harness.stop()
         if self.prom:
@@ -107,6 +124,15 @@ class Demo:
     def kubectl(self, *args: str, check: bool = True) -> str:
         assert self.cluster is not None
         return self.cluster.kubectl(*args, check=check)
+
+    def kubectl_input(self, text: str, *args: str) -> None:
+        assert self.cluster is not None
+        subprocess.run(
+            [str(self.cluster.bin_dir / "kubectl"), f"--kubeconfig={self.cluster.kubeconfig}", *args],
+            input=text.encode(),
+            check=True,
+            capture_output=True,
+        )
 
     def status(self) -> dict[str, Any]:
         out = self.kubectl("get", "batchingpolicy", POLICY, "-n", NAMESPACE, "-o", "json", check=False)
@@ -148,15 +174,13 @@ class Demo:
             f"replaying {trace.count} arrivals of {self.trace.name} (burstiness: gap CV {trace.gap_cv():.1f}) "
             f"time-scaled to {self.rate:.0f} req/s, open loop"
         )
+        assert self.gateway is not None
+        self.say(f"through the gateway: {self.gateway.url} (Envoy routes by the HTTPRoute's weights)")
         self.say(
             f"two clients share it: {', '.join(f'{t} {w:.0%}' for t, w in TENANTS)} of the requests (X-Batchpilot-Tenant)"
         )
-        self.replay = TraceReplay(
-            trace.scaled_arrivals(self.rate),
-            lambda: self.harness.endpoints(POLICY) if self.harness else [],
-            MODEL,
-            tenants=TENANTS,
-        ).start()
+        front = [self.gateway.front(POLICY)]
+        self.replay = TraceReplay(trace.scaled_arrivals(self.rate), lambda: front, MODEL, tenants=TENANTS).start()
         time.sleep(5)  # a few seconds of steady traffic on the stable revision before changing it
 
         label, path = CHANGES[1]

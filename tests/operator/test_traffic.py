@@ -1,0 +1,434 @@
+"""The order of operations under spec.rollout.trafficRouting (pure: planner + traffic).
+
+A small world applies each decision: the route takes the decision's weights at once, a
+Deployment's new pods become ready one tick after it was asked for them (so every ordering
+question is visible). Invariants checked at every decision of whole rollouts:
+
+* no weight moves to a canary whose pods (of that revision) are not ready;
+* a canary Deployment is scaled away only while the route is already seen at weight 0;
+* 100% goes back to the stable after a promotion only once every stable pod runs the new
+  revision and is ready.
+"""
+
+from __future__ import annotations
+
+import copy
+import math
+from dataclasses import dataclass
+from datetime import UTC, datetime, timedelta
+from typing import Any
+
+import pytest
+
+from batchpilot_operator.analysis import (
+    AnalysisResult,
+    Measurement,
+    lane_thresholds,
+    plan_queries,
+    promql_window,
+    verdicts,
+)
+from batchpilot_operator.fairness import downgrade, per_pod_rate_query, underfed
+from batchpilot_operator.planner import (
+    Decision,
+    Observed,
+    PlanInputs,
+    TrackObserved,
+    analysis_due,
+    analysis_target,
+    plan,
+)
+from batchpilot_operator.spec import PolicySpec, TrafficRouting
+from batchpilot_operator.status import Phase, Status
+from batchpilot_operator.traffic import (
+    RouteError,
+    RouteObserved,
+    RouteTarget,
+    observe_route,
+    route_apply_body,
+    route_rules,
+    split_for_routing,
+)
+
+T0 = datetime(2026, 11, 30, 1, 0, 0, tzinfo=UTC)
+PORTS = {"stable": 80, "canary": 80}
+
+
+def at(seconds: float) -> datetime:
+    return T0 + timedelta(seconds=seconds)
+
+
+def measured(
+    s: PolicySpec, status: Status, now: datetime, *, p99: float = 0.05, samples: float = 500
+) -> AnalysisResult:
+    """An analysis judged by the real verdict code: the stable at 50 ms, the canary at ``p99``
+    (half its requests over the objective when that breaches)."""
+    target = analysis_target(status)
+    assert target is not None
+    canary, stable = target
+    lqs = plan_queries(s, policy="chat", namespace="ml", canary_revision=canary, stable_revision=stable)
+    ms: dict[str, Measurement] = {}
+    for lq in lqs:
+        thresholds = lane_thresholds(s, lq.lane)
+        lat = p99 if lq.track == "canary" else 0.05
+        for m in lq.metrics:
+            value = {"p99Latency": lat, "queueAge": 0.005, "errorRate": 0.0, "clientErrors": 0.0}[m.metric]
+            ms[m.value] = Measurement(m.value, value=value)
+            ms[m.samples] = Measurement(m.samples, value=samples)
+            if m.metric in ("errorRate", "clientErrors"):
+                ms[m.bad] = Measurement(m.bad, value=0.0)
+            else:
+                k = samples / 2 if value > thresholds[m.metric] else 0.0
+                ms[m.bad] = Measurement(m.bad, buckets=((thresholds[m.metric], samples - k), (math.inf, samples)))
+    return AnalysisResult(
+        time=now,
+        window=promql_window(s.rollout.analysis_interval),
+        canary_revision=canary,
+        stable_revision=stable,
+        lanes=verdicts(s, lqs, ms),
+    )
+
+
+def spec(lane_window: str = "5ms", **routing: Any) -> PolicySpec:
+    return PolicySpec.model_validate(
+        {
+            "model": {"name": "m", "image": "img:1", "source": "builtin:mlp"},
+            "replicas": 2,
+            "lanes": [
+                {
+                    "name": "interactive",
+                    "maxBatchSize": 8,
+                    "maxQueueDelay": lane_window,
+                    "maxQueueLength": 100,
+                    "requestTimeout": "1s",
+                }
+            ],
+            "slo": {"p99Latency": "200ms", "maxQueueAge": "50ms"},
+            "rollout": {
+                "steps": [
+                    {"weight": 10, "pause": "60s"},
+                    {"weight": 25, "pause": "60s"},
+                    {"weight": 50, "pause": "60s"},
+                ],
+                "analysisInterval": "30s",
+                "failureLimit": 2,
+                "minSamples": 50,
+                "trafficRouting": {"gatewayAPI": {"httpRoute": "chat"}, **routing},
+            },
+        }
+    )
+
+
+@dataclass
+class Track:
+    revision: str | None = None
+    replicas: int = 0
+    ready: int = 0
+
+
+class World:
+    """Deployments whose pods get ready one tick after they are asked for; a route that
+    takes the decision's weights at once (as the operator writes it before any scale-down)."""
+
+    def __init__(self, s: PolicySpec) -> None:
+        self.spec = s
+        self.status = Status()
+        self.stable = Track()
+        self.canary = Track()
+        self.route: RouteObserved | None = RouteObserved(100, 0, False)
+        self.t = 0.0
+        self.decisions: list[tuple[Observed, Decision]] = []
+
+    def observed(self) -> Observed:
+        def obs(t: Track) -> TrackObserved | None:
+            return None if t.revision is None else TrackObserved(t.revision, t.replicas, t.ready)
+
+        return Observed(stable=obs(self.stable), canary=obs(self.canary), route=self.route)
+
+    def tick(self, dt: float = 5.0, **analysis: Any) -> Decision:
+        self.t += dt
+        now = at(self.t)
+        result: AnalysisResult | None = None
+        if analysis_due(self.spec, self.status, now):
+            result = measured(self.spec, self.status, now, **analysis)
+        observed = self.observed()
+        d = plan(
+            PlanInputs(spec=self.spec, generation=1, status=self.status, observed=observed, now=now, analysis=result)
+        )
+        self.decisions.append((observed, d))
+        check_invariants(observed, d, self.spec)
+        self.status = d.status
+        # pods asked for last tick are ready now; this decision's changes land
+        for track, rev, n in (
+            (self.stable, d.stable_revision, d.stable_replicas),
+            (self.canary, d.canary_revision, d.canary_replicas),
+        ):
+            if rev is None or n == 0:
+                track.revision, track.replicas, track.ready = None, 0, 0
+                continue
+            if track.revision != rev:
+                track.revision, track.replicas, track.ready = rev, n, 0
+            else:
+                track.ready = track.replicas
+                track.replicas = n
+                track.ready = min(track.ready, n)
+        assert d.route is not None
+        self.route = RouteObserved(d.route.stable_weight, d.route.canary_weight, d.route.header)
+        return d
+
+    def run_until(self, predicate: Any, limit: int = 200, **analysis: Any) -> Decision:
+        for _ in range(limit):
+            d = self.tick(**analysis)
+            if predicate(d):
+                return d
+        raise AssertionError(f"not reached; status {self.status.phase} {self.status.message}")
+
+
+def check_invariants(observed: Observed, d: Decision, s: PolicySpec) -> None:
+    assert d.route is not None
+    oc = observed.canary
+    if d.route.canary_weight > (observed.route.canary_weight if observed.route else 0):
+        # weight moves toward the canary only onto ready canary pods
+        assert oc is not None and oc.ready_replicas >= 1, (observed, d.route)
+        assert d.status.rollout is not None and oc.revision == d.status.rollout.revision
+    if oc is not None and oc.replicas > 0 and d.canary_replicas == 0:
+        assert observed.route is not None and observed.route.canary_weight == 0, (
+            "canary scaled away under weight",
+            observed,
+        )
+    os = observed.stable
+    promoted = d.status.rollout is None and d.status.history and d.status.history[-1].outcome == "Promoted"
+    if promoted and d.route.canary_weight == 0 and observed.route is not None and observed.route.canary_weight > 0:
+        assert os is not None and os.revision == d.stable_revision and os.ready_replicas >= s.replicas
+
+
+def test_split_for_routing() -> None:
+    # a canary pod's share w/c as close as whole pods allow to a stable pod's (100-w)/N
+    assert split_for_routing(2, 10) == (2, 1)
+    assert split_for_routing(2, 25) == (2, 1)
+    assert split_for_routing(2, 50) == (2, 2)
+    assert split_for_routing(4, 25) == (4, 1)
+    assert split_for_routing(4, 40) == (4, 3)
+    assert split_for_routing(10, 25) == (10, 3)
+    assert split_for_routing(10, 75) == (10, 10)
+    assert split_for_routing(3, 100) == (3, 3)
+    assert split_for_routing(1, 1) == (1, 1)
+    assert split_for_routing(5, 0) == (5, 0)
+    with pytest.raises(ValueError):
+        split_for_routing(0, 10)
+
+
+def healthy_world(s: PolicySpec) -> World:
+    w = World(s)
+    w.run_until(lambda d: d.status.phase is Phase.HEALTHY)
+    return w
+
+
+def test_weights_follow_steps_exactly_and_promotion_waits_for_the_stable() -> None:
+    s = spec()
+    w = healthy_world(s)
+    w.spec = spec(lane_window="6ms")
+    first = w.tick()
+    assert first.canary_replicas == 1 and first.route is not None and first.route.canary_weight == 0
+    seen: list[int] = []
+    d = first
+    for _ in range(400):
+        d = w.tick()
+        assert d.route is not None
+        if not seen or seen[-1] != d.route.canary_weight:
+            seen.append(d.route.canary_weight)
+        if d.status.phase is Phase.HEALTHY and w.canary.revision is None:
+            break
+    assert seen == [0, 10, 25, 50, 0], seen
+    # the status shows the route's weight, not the pod ratio
+    assert d.status.canary_weight == 0 and d.stable_replicas == 2
+
+
+def test_status_weight_is_the_route_weight() -> None:
+    w = healthy_world(spec())
+    w.spec = spec(lane_window="6ms")
+    d = w.run_until(lambda d: d.route is not None and d.route.canary_weight == 10)
+    assert d.status.canary_weight == 10 and d.status.step_weight == 10
+    assert d.stable_replicas == 2 and d.canary_replicas == 1  # the stable keeps every pod
+
+
+def test_rollback_sets_weight_zero_before_the_canary_goes() -> None:
+    w = healthy_world(spec())
+    w.spec = spec(lane_window="6ms")
+    w.run_until(lambda d: d.route is not None and d.route.canary_weight == 10)
+    rolled = w.run_until(lambda d: d.status.phase is Phase.ROLLED_BACK, p99=1.0)
+    assert rolled.route == RouteTarget(canary_weight=0, header=False)
+    assert rolled.canary_replicas == 1, "the canary keeps its pods in the decision that zeroes its weight"
+    assert rolled.requeue_after is not None
+    after = w.tick()
+    assert after.canary_replicas == 0 and after.canary_revision is None
+
+
+def test_promotion_keeps_canary_weight_until_new_stable_ready() -> None:
+    w = healthy_world(spec())
+    w.spec = spec(lane_window="6ms")
+    promoted = w.run_until(lambda d: any(e.reason == "Promoted" for e in d.events))
+    assert promoted.route is not None and promoted.route.canary_weight == 50, "no weight moves at the promotion"
+    assert promoted.canary_replicas == 2  # 50% of 2 replicas: 2 canary pods
+    nxt = w.tick()  # stable asked for the new revision last tick: not ready yet in the world
+    assert nxt.route is not None
+    # the invariant checker asserted the stable was ready when the weight went back
+    assert w.canary.revision is not None or nxt.route.canary_weight == 0
+
+
+def test_new_canary_gets_no_weight_before_ready_and_header_rule_follows() -> None:
+    s = spec(header={"name": "x-tenant", "value": "acme"})
+    w = healthy_world(s)
+    w.spec = spec(lane_window="6ms", header={"name": "x-tenant", "value": "acme"})
+    before: list[RouteTarget | None] = []
+    while True:
+        d = w.tick()
+        if w.canary.ready == 0 or not before:
+            before.append(d.route)
+        if d.route is not None and d.route.canary_weight:
+            break
+    assert set(before) == {RouteTarget(canary_weight=0, header=False)}, "nothing to a canary with no ready pod"
+    assert d.route == RouteTarget(canary_weight=10, header=True)
+    rolled = w.run_until(lambda d: d.status.phase is Phase.ROLLED_BACK, p99=1.0)
+    assert rolled.route == RouteTarget(canary_weight=0, header=False)
+
+
+def test_header_only_traffic_also_drains_before_the_canary_goes() -> None:
+    """A canary that takes only header traffic (weight 0, our header rule on the route) is
+    scaled away only once the route is seen without the rule."""
+    w = healthy_world(spec(header={"name": "x-tenant", "value": "acme"}))
+    w.spec = spec(lane_window="6ms", header={"name": "x-tenant", "value": "acme"})
+    w.run_until(lambda d: d.route is not None and d.route.canary_weight == 10)
+    rolled = w.run_until(lambda d: d.status.phase is Phase.ROLLED_BACK, p99=1.0)
+    assert rolled.canary_replicas == 1 and rolled.route == RouteTarget(0, False)
+    w.route = RouteObserved(100, 0, True)  # the weight is 0 on the route, the header rule not yet gone
+    assert w.tick().canary_replicas == 1, "header traffic still reaches the canary: keep it"
+    assert w.route == RouteObserved(100, 0, False)
+    assert w.tick().canary_replicas == 0
+
+
+# --------------------------------------------------------------------------- the route object
+
+ROUTE: dict[str, Any] = {
+    "apiVersion": "gateway.networking.k8s.io/v1",
+    "kind": "HTTPRoute",
+    "metadata": {"name": "chat", "namespace": "ml", "resourceVersion": "42"},
+    "spec": {
+        "parentRefs": [{"name": "gw"}],
+        "rules": [
+            {
+                "name": "admin",
+                "matches": [{"path": {"type": "PathPrefix", "value": "/admin"}}],
+                "backendRefs": [{"name": "admin", "port": 80}],
+            },
+            {
+                "name": "infer",
+                "matches": [{"path": {"type": "PathPrefix", "value": "/v2"}}],
+                "timeouts": {"request": "10s"},
+                "backendRefs": [{"name": "chat-stable", "port": 80, "weight": 100}],
+            },
+        ],
+    },
+}
+
+
+def routing(**kw: Any) -> TrafficRouting:
+    return TrafficRouting.model_validate({"gatewayAPI": {"httpRoute": "chat", "rule": "infer"}, **kw})
+
+
+def test_route_rules_change_only_the_target_backends() -> None:
+    rules = route_rules(ROUTE, routing(), "chat", RouteTarget(25, False), PORTS)
+    assert rules[0] == ROUTE["spec"]["rules"][0]
+    assert rules[1]["timeouts"] == {"request": "10s"} and rules[1]["matches"] == ROUTE["spec"]["rules"][1]["matches"]
+    assert rules[1]["backendRefs"] == [
+        {"group": "", "kind": "Service", "name": "chat-stable", "port": 80, "weight": 75},
+        {"group": "", "kind": "Service", "name": "chat-canary", "port": 80, "weight": 25},
+    ]
+    body = route_apply_body(ROUTE, rules)
+    assert body["metadata"]["resourceVersion"] == "42" and set(body["spec"]) == {"rules"}
+
+
+def test_header_rule_added_before_target_and_removed() -> None:
+    r = routing(header={"name": "x-tenant", "value": "acme"})
+    rules = route_rules(ROUTE, r, "chat", RouteTarget(10, True), PORTS)
+    assert [x.get("name") for x in rules] == ["admin", None, "infer"]
+    header = rules[1]
+    assert header["backendRefs"] == [{"group": "", "kind": "Service", "name": "chat-canary", "port": 80, "weight": 1}]
+    assert header["matches"] == [
+        {
+            "path": {"type": "PathPrefix", "value": "/v2"},
+            "headers": [{"type": "Exact", "name": "x-tenant", "value": "acme"}],
+        }
+    ]
+    live = copy.deepcopy(ROUTE)
+    live["spec"]["rules"] = rules
+    assert observe_route(live, r, "chat") == RouteObserved(90, 10, True)
+    again = route_rules(live, r, "chat", RouteTarget(10, True), PORTS)
+    assert again == rules, "idempotent: one header rule, not two"
+    gone = route_rules(live, r, "chat", RouteTarget(0, False), PORTS)
+    assert [x.get("name") for x in gone] == ["admin", "infer"]
+
+
+def test_first_rule_by_default_and_missing_rule_is_an_error() -> None:
+    r = TrafficRouting.model_validate({"gatewayAPI": {"httpRoute": "chat"}})
+    rules = route_rules(ROUTE, r, "chat", RouteTarget(10, False), PORTS)
+    assert rules[0]["backendRefs"][1] == {
+        "group": "",
+        "kind": "Service",
+        "name": "chat-canary",
+        "port": 80,
+        "weight": 10,
+    }
+    with pytest.raises(RouteError, match="no rule named 'nope'"):
+        route_rules(
+            ROUTE,
+            routing().model_copy(update={"gateway_api": routing().gateway_api.model_copy(update={"rule": "nope"})}),
+            "chat",
+            RouteTarget(10, False),
+            PORTS,
+        )
+
+
+def test_spec_rejects_bad_routing() -> None:
+    with pytest.raises(ValueError, match="httpRoute"):
+        spec(gatewayAPI={"httpRoute": "Bad_Name"})
+    with pytest.raises(ValueError, match="name"):
+        spec(header={"name": "bad header", "value": "x"})
+    with pytest.raises(ValueError, match="minCanaryLoadRatio"):
+        spec(minCanaryLoadRatio=2)
+
+
+# --------------------------------------------------------------------------- fairness
+
+
+def test_underfed_canary_cannot_pass_but_failed_stands() -> None:
+    assert underfed(1.0, 9.0, 0.5) and not underfed(5.0, 9.0, 0.5) and not underfed(1.0, 9.0, 0.0)
+    assert not underfed(None, None, 0.5)
+    s = spec()
+    w = healthy_world(s)
+    w.spec = spec(lane_window="6ms")
+    w.run_until(lambda d: d.route is not None and d.route.canary_weight == 10)
+    now = at(w.t + 60)
+    status = w.status
+    good = measured(w.spec, status, now)
+    assert all(lane.passes_step for lane in good.lanes)
+    fair = downgrade(good)
+    assert not any(lane.passes_step for lane in fair.lanes) and not any(lane.holds_step for lane in fair.lanes)
+    assert fair.outcome.value == "Inconclusive"
+    bad = measured(w.spec, status, now, p99=1.0)
+    assert downgrade(bad).outcome.value == "Failed"
+    q = per_pod_rate_query(namespace="ml", policy="chat", track="canary", revision="abc", window=30)
+    assert 'track="canary"' in q and "by (pod)" in q and "[30s]" in q
+
+
+def test_no_routing_keeps_replica_ratio() -> None:
+    s = spec()
+    plain = PolicySpec.model_validate(
+        {
+            **s.model_dump(by_alias=True, mode="json"),
+            "rollout": {**s.model_dump(by_alias=True, mode="json")["rollout"], "trafficRouting": None},
+        }
+    )
+    assert plain.rollout.traffic_routing is None
+    d = plan(PlanInputs(spec=plain, generation=1, status=Status(), observed=Observed(), now=T0))
+    assert d.route is None
