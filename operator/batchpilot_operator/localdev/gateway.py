@@ -405,13 +405,16 @@ class LocalGateway:
     def data_plane_failures(self) -> Counter[str]:
         """Requests Envoy itself failed or cut, from its access log: each line whose response
         flags are set (no healthy upstream, upstream connection failure or reset, no route...),
-        counted by ``"<status> <flags>"``. An answer from a runtime, even a 504, has none."""
+        counted by ``"<status> <flags> <policy>-<track>"`` (the track whose proxy was the
+        upstream). An answer from a runtime, even a 504, has no flags."""
+        tracks = {f"127.0.0.1:{port}": f"{policy}-{track}" for (policy, track), port in self.proxy.ports.items()}
         failures: Counter[str] = Counter()
         log = self.workdir / "envoy.log"
         for line in log.read_text(errors="replace").splitlines() if log.exists() else []:
             match = _ACCESS_LINE.match(line)
             if match and match["flags"] != "-":
-                failures[f"{match['status']} {match['flags']}"] += 1
+                upstream = line.rstrip().rsplit(" ", 1)[-1].strip('"')
+                failures[f"{match['status']} {match['flags']} {tracks.get(upstream, upstream)}"] += 1
         return failures
 
     def admin(self, path: str) -> Any:
