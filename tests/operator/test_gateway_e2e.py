@@ -3,8 +3,9 @@
 Real control plane, the operator, a real Prometheus, one runtime process per pod (the local
 harness), Contour and Envoy (``localdev/gateway.py``); every request goes through Envoy.
 
-* 2 replicas, steps 10% / 25% / 50%: at each step, once Envoy itself routes by the step's
-  weight (its config dump), at least 2,000 requests are sent through the gateway; the share
+* 2 replicas, steps 10% / 25% / 50%: at each step (held with the pause annotation while it is
+  measured), once Envoy itself routes by the step's weight (its config dump), at least 2,000
+  requests are sent through the gateway; the share
   that reached the canary, counted from the runtimes' own ``batchpilot_requests_total``, must be
   within 2 percentage points of the weight (the weight is checked unchanged after the burst).
 * While the canary runs, requests with the tenant header all reach it (the revision in each answer).
@@ -77,7 +78,7 @@ POLICY: dict[str, Any] = {
         ],
         "slo": {"p99Latency": "120ms", "maxQueueAge": "60ms"},
         "rollout": {
-            "steps": [{"weight": 10, "pause": "45s"}, {"weight": 25, "pause": "45s"}, {"weight": 50, "pause": "45s"}],
+            "steps": [{"weight": 10, "pause": "20s"}, {"weight": 25, "pause": "20s"}, {"weight": 50, "pause": "20s"}],
             "analysisInterval": "4s",
             "failureLimit": 2,
             "minSamples": 10,
@@ -280,6 +281,12 @@ def test_weights_header_and_rollback_through_contour_and_envoy(scenario: Scenari
             240,
             f"the step at {weight}%",
         )
+        # Hold the step while it is measured (as on-call would: `kubectl batchpilot pause`); the
+        # weight stays, the step clock stops. On a loaded machine a burst can outlast a pause.
+        s.kube.kubectl(
+            "annotate", "batchingpolicy", "shop", "-n", s.namespace, "batchpilot.dev/pause=e2e", "--overwrite"
+        )
+        s.wait(lambda st: st.get("phase") == "Paused", 60, "the rollout paused")
         # the canary sized so that its pods get a stable pod's rate: 1, 1, then 2 pods
         assert st["canaryReplicas"] == (2 if weight == 50 else 1) and st["stableReplicas"] == 2, st
         # kwok reports a pod Ready at once; its runtime process (the harness) takes a few
@@ -298,6 +305,7 @@ def test_weights_header_and_rollback_through_contour_and_envoy(scenario: Scenari
         after = requests_by_track(s.harness)
         assert (s.gw.envoy_weights("shop") or {}).get("canary") == weight, "the step moved during the burst"
         assert s.status().get("currentStepIndex", index) == index
+        s.kube.kubectl("annotate", "batchingpolicy", "shop", "-n", s.namespace, "batchpilot.dev/pause-")
         counted = {t: after[t] - before[t] for t in ("stable", "canary")}
         total = counted["stable"] + counted["canary"]
         share = 100 * counted["canary"] / total
