@@ -24,6 +24,7 @@ from __future__ import annotations
 import asyncio
 import copy
 import json
+import math
 import os
 import subprocess
 import sys
@@ -48,7 +49,16 @@ pytestmark = [pytest.mark.cluster, pytest.mark.prometheus, pytest.mark.slow]
 
 TRACE = REPO.parent / "shared" / "traces" / "azure-llm-2023-code.csv"
 BACKGROUND_RATE = 30.0  # requests/s through the gateway, so every analysis has samples
-BURST = 2400  # requests per step through the gateway (>= 2,000 counted)
+BURST = 2400  # requests per step through the gateway (>= 2,000 counted) ...
+
+
+def burst_size(weight: int) -> int:
+    """... and enough that +-2 points is 3 standard deviations of the share (Envoy picks a
+    weighted cluster at random per request): 2,400 at 10%, 4,219 at 25%, 5,625 at 50%."""
+    p = weight / 100
+    return max(BURST, math.ceil(9 * p * (1 - p) / 0.02**2))
+
+
 TENANT = {"x-tenant": "canary-testers"}
 ARGO = "argocd-controller"
 
@@ -301,7 +311,7 @@ def test_weights_header_and_rollback_through_contour_and_envoy(scenario: Scenari
         )
         s.envoy_at(weight)
         before = requests_by_track(s.harness)
-        answers = burst(s.gw.url, BURST, concurrency=12)
+        answers = burst(s.gw.url, burst_size(weight), concurrency=12)
         after = requests_by_track(s.harness)
         assert (s.gw.envoy_weights("shop") or {}).get("canary") == weight, "the step moved during the burst"
         assert s.status().get("currentStepIndex", index) == index
