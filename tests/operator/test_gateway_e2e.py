@@ -38,10 +38,12 @@ from typing import Any
 import aiohttp
 import pytest
 
+from batchpilot_operator.fairness import per_pod_rate_query, underfed
 from batchpilot_operator.localdev.gateway import LocalGateway, httproute
 from batchpilot_operator.localdev.harness import RuntimeHarness
 from batchpilot_operator.localdev.load import ROW, TraceReplay
 from batchpilot_operator.localdev.prometheus import PrometheusServer
+from batchpilot_operator.prom import PrometheusBackend
 from batchpilot_operator.tune.trace import load_trace
 from bptest import REPO, Kube, OperatorProcess, start_operator
 
@@ -208,9 +210,10 @@ class Scenario:
         harness: RuntimeHarness,
         gw: LocalGateway,
         replay: TraceReplay,
+        prometheus_url: str,
     ) -> None:
         self.kube, self.namespace, self.op, self.harness, self.gw = kube, namespace, op, harness, gw
-        self.replay = replay
+        self.replay, self.prometheus_url = replay, prometheus_url
 
     def status(self) -> dict[str, Any]:
         return (self.kube.get("batchingpolicy", "shop", self.namespace) or {}).get("status") or {}
@@ -262,7 +265,7 @@ def scenario(kube: Kube, namespace: str, prometheus: PrometheusServer, tmp_path:
         trace = load_trace(TRACE)
         front = gw.front("shop")
         replay = TraceReplay(trace.scaled_arrivals(BACKGROUND_RATE), lambda: [front], model="tiny").start()
-        yield Scenario(kube, namespace, op, harness, gw, replay)
+        yield Scenario(kube, namespace, op, harness, gw, replay, prometheus.url)
     finally:
         if replay is not None:
             replay.stop()
@@ -333,6 +336,18 @@ def test_weights_header_and_rollback_through_contour_and_envoy(scenario: Scenari
         assert not [k for k in answers if k.startswith("http")], answers
         assert abs(share - weight) <= 2.0, figures["steps"][-1]
         if weight == 10:
+            # The fairness check's own query, on the real Prometheus: one canary pod at 10%
+            # gets far less per pod than each of the two stable pods (45% each), underfed
+            # against the default minCanaryLoadRatio of 0.5.
+            queries = {
+                track: per_pod_rate_query(namespace=s.namespace, policy="shop", track=track, revision=rev, window=10)
+                for track, rev in (("canary", canary), ("stable", first))
+            }
+            rates = {t: PrometheusBackend(s.prometheus_url).measure([q])[q].value for t, q in queries.items()}
+            figures["per_pod_rates_at_10"] = rates
+            assert rates["canary"] and rates["stable"], rates
+            assert 0.1 < rates["canary"] / rates["stable"] < 0.45, rates
+            assert underfed(rates["canary"], rates["stable"], 0.5), rates
             # the tenant header reaches the canary, every time
             tenant = burst(s.gw.url, 200, headers=TENANT, concurrency=8)
             figures["header"] = dict(tenant)
