@@ -34,6 +34,10 @@ Decisions taken here (and why):
   share is coarser than asked (N=1: one stable + one canary pod, 50%); status reports both
   ``stepWeight`` (asked) and ``canaryWeight`` (effective). Every pod sees the same per-pod
   arrival rate, so the canary's batching is representative.
+* With ``spec.rollout.trafficRouting`` the weight is set on a Gateway API HTTPRoute instead
+  (``traffic``): the stable keeps all its replicas, the canary is sized to its weight
+  (:func:`split_for`), ``Decision.route`` carries the weights to write, and a canary the route
+  still sends traffic to (``Observed.route``) keeps its pods until the route shows none.
 * The first revision of a policy rolls out directly as stable (nothing to compare with).
   If the status is empty but a stable Deployment already serves another revision (status
   lost), that revision is adopted as stable and the desired one canaries.

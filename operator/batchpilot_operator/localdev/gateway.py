@@ -35,6 +35,7 @@ import http.client
 import itertools
 import json
 import os
+import re
 import shutil
 import signal
 import socket
@@ -45,6 +46,7 @@ import threading
 import time
 import urllib.error
 import urllib.request
+from collections import Counter
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -60,6 +62,8 @@ DEFAULT_BIN_DIR = REPO_ROOT / ".cache" / "contour-bin"
 CONTROLLER_NAME = "projectcontour.io/gateway-controller"
 LOCAL_MANAGER = "batchpilot-localdev"
 TRACKS = ("stable", "canary")
+_ACCESS_LINE = re.compile(r'^\[[^\]]+\] "[A-Z]+ \S+ \S+" (?P<status>\d+) (?P<flags>\S+) ')
+"""Envoy's default access log format: ``[time] "METHOD path proto" status flags ...``."""
 READY_WAIT = 30.0
 """Seconds a connection to a track waits for a ready runtime process before it is closed."""
 
@@ -397,6 +401,21 @@ class LocalGateway:
             proc=None,  # type: ignore[arg-type]  # not a process of ours
             ready=True,
         )
+
+    def data_plane_failures(self) -> Counter[str]:
+        """Requests Envoy itself failed or cut, from its access log: each line whose response
+        flags are set (no healthy upstream, upstream connection failure or reset, no route...),
+        counted by ``"<status> <flags> <policy>-<track>"`` (the track whose proxy was the
+        upstream). An answer from a runtime, even a 504, has no flags."""
+        tracks = {f"127.0.0.1:{port}": f"{policy}-{track}" for (policy, track), port in self.proxy.ports.items()}
+        failures: Counter[str] = Counter()
+        log = self.workdir / "envoy.log"
+        for line in log.read_text(errors="replace").splitlines() if log.exists() else []:
+            match = _ACCESS_LINE.match(line)
+            if match and match["flags"] != "-":
+                upstream = line.rstrip().rsplit(" ", 1)[-1].strip('"')
+                failures[f"{match['status']} {match['flags']} {tracks.get(upstream, upstream)}"] += 1
+        return failures
 
     def admin(self, path: str) -> Any:
         """GET Envoy's admin interface (a Unix socket) and decode its JSON answer."""
