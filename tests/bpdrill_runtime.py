@@ -93,7 +93,7 @@ class RuntimeServer:
     def ready(self) -> bool:
         try:
             with urllib.request.urlopen(self.url + "/v2/health/ready", timeout=2) as r:
-                return r.status == 200
+                return bool(r.status == 200)
         except (urllib.error.URLError, OSError):
             return False
 

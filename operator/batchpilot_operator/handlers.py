@@ -124,6 +124,14 @@ class _IdentifiedConnection(kopf.ConnectionInfo):
         return {**super().as_http_headers(), "User-Agent": self.user_agent}
 
 
+SA_TOKEN = "/var/run/secrets/kubernetes.io/serviceaccount/token"
+
+
+def _in_cluster_token() -> str | None:
+    """The pod's projected ServiceAccount token (kopf logs in with it in a cluster)."""
+    return SA_TOKEN if os.environ.get("KUBERNETES_SERVICE_HOST") and os.path.isfile(SA_TOKEN) else None
+
+
 _LOGIN_TOKEN: list[str] = []  # the token the last login handed to kopf (it logs in again only after a 401)
 
 
@@ -134,7 +142,9 @@ def login(logger: kopf.Logger, settings: kopf.OperatorSettings, **_: Any) -> kop
         return None
     fields = {f.name: getattr(info, f.name) for f in dataclasses.fields(info)}
     kubeconfig = os.environ.get("BATCHPILOT_KUBECONFIG")
-    token_file = os.environ.get("BATCHPILOT_TOKEN_FILE") or (kubeconfig_token_file(kubeconfig) if kubeconfig else None)
+    token_file = os.environ.get("BATCHPILOT_TOKEN_FILE") or (
+        kubeconfig_token_file(kubeconfig) if kubeconfig else _in_cluster_token()
+    )
     if token_file:
         # kopf logs in again after a 401: the file's current token is the one to use then. (Read
         # by TokenFile, which strips the line end: the client library keeps a trailing newline of

@@ -113,6 +113,14 @@ def use_token_file(configuration: client.Configuration, token: credentials.Token
     configuration.refresh_api_key_hook = refresh  # type: ignore[assignment]  # the stub says None
 
 
+def _observe_auth(status: object) -> None:
+    """401 is a refused credential (a 403 is RBAC, not the token); any other answer accepts it."""
+    if status == 401:
+        credentials.auth_failed("kubernetes", "HTTP 401 Unauthorized")
+    elif isinstance(status, int) and status > 0:
+        credentials.auth_ok("kubernetes")
+
+
 def _count_requests(api: client.ApiClient) -> None:
     from batchpilot_operator import opmetrics
 
@@ -129,13 +137,11 @@ def _count_requests(api: client.ApiClient) -> None:
             kwargs["_request_timeout"] = REQUEST_TIMEOUT
         try:
             answer = request(method, url, *args, **kwargs)
-        except ApiException as exc:
-            if exc.status == 401:  # an invalid token; a 403 is RBAC, not the credential
-                credentials.auth_failed("kubernetes", f"HTTP {exc.status} {exc.reason}")
-            else:
-                credentials.auth_ok("kubernetes")
+        except ApiException as exc:  # clients before 35 raised non-2xx answers here
+            _observe_auth(exc.status)
             raise
-        credentials.auth_ok("kubernetes")
+        # Since kubernetes 35 the REST layer returns every answer and ApiClient raises later.
+        _observe_auth(getattr(answer, "status", None))
         return answer
 
     rest.request = counted  # type: ignore[method-assign]

@@ -173,3 +173,52 @@ def test_fresh_token_waits_for_the_file_to_replace_a_refused_token(tmp_path: Pat
     assert len(sleeps) == 3
     assert opmetrics.AUTH_ERRORS.labels("kubernetes")._value.get() == before + 1
     assert opmetrics.AUTH_OK.labels("kubernetes")._value.get() == 1
+
+
+def test_kubernetes_401_is_counted_and_a_new_token_file_recovers(tmp_path: Path) -> None:
+    """api_client against a stub apiserver that accepts only the token "good"."""
+    from kubernetes.client.exceptions import ApiException
+
+    from batchpilot_operator.kube import api_client
+
+    class Handler(BaseHTTPRequestHandler):
+        def do_GET(self) -> None:
+            ok = self.headers.get("Authorization") == "Bearer good"
+            body = json.dumps({"kind": "NamespaceList", "apiVersion": "v1", "items": []} if ok else {"code": 401})
+            self.send_response(200 if ok else 401)
+            self.send_header("Content-Type", "application/json")
+            self.end_headers()
+            self.wfile.write(body.encode())
+
+        def log_message(self, format: str, *args: Any) -> None:
+            pass
+
+    port = free_port()
+    server = ThreadingHTTPServer(("127.0.0.1", port), Handler)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    token = tmp_path / "token"
+    token.write_text("bad\n")
+    kubeconfig = tmp_path / "kubeconfig"
+    kubeconfig.write_text(
+        json.dumps(
+            {
+                "current-context": "c",
+                "clusters": [{"name": "k", "cluster": {"server": f"http://127.0.0.1:{port}"}}],
+                "contexts": [{"name": "c", "context": {"cluster": "k", "user": "u"}}],
+                "users": [{"name": "u", "user": {"tokenFile": "token"}}],
+            }
+        )
+    )
+    try:
+        core = client.CoreV1Api(api_client(str(kubeconfig)))
+        before = opmetrics.AUTH_ERRORS.labels("kubernetes")._value.get()
+        with pytest.raises(ApiException) as err:
+            core.list_namespace()
+        assert err.value.status == 401
+        assert opmetrics.AUTH_ERRORS.labels("kubernetes")._value.get() == before + 1
+        assert opmetrics.AUTH_OK.labels("kubernetes")._value.get() == 0
+        rotate(token, "good")  # same client, no restart
+        assert core.list_namespace().items == []
+        assert opmetrics.AUTH_OK.labels("kubernetes")._value.get() == 1
+    finally:
+        server.shutdown()
