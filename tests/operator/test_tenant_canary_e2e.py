@@ -28,9 +28,10 @@ Prometheus the canaries below would be Inconclusive, never rolled back).
 Why so few chat requests: a slice that fails while the total passes must be a small share of
 the requests (its bad share times its share of requests is at most the total's 1%), so its
 requests per window are few (about 4 on the canary): minSamples 3 and a 30 s window keep it
-judged in most windows, the 120 s step pause gives the verdict four analyses before the canary
-could be promoted, and failureLimit 1 rolls back on the first failed one (with 2, a window in
-which chat happened to be thin could pass the step between two failures and promote it). The bulk rate is
+judged in most windows (a window in which it is thin passes the step), and the 180 s step pause
+gives the verdict six analyses to find the two failures failureLimit asks for before the canary
+could be promoted (one is not enough: the canary's first window on a busy machine can breach on
+the total, the new process starting under load). The bulk rate is
 bounded by the machine: each bulk request is a batch of its own, and the trace's bursts reach
 15x its mean rate; the 100 ms queue-age objective leaves room for the queueing those bursts
 cause on a busy machine, on both tracks alike.
@@ -94,9 +95,9 @@ POLICY: dict[str, Any] = {
         "slo": {"p99Latency": "300ms", "maxQueueAge": "100ms"},
         "tenants": {"names": ["bulk", "chat"]},
         "rollout": {
-            "steps": [{"weight": 50, "pause": "120s"}],
+            "steps": [{"weight": 50, "pause": "180s"}],
             "analysisInterval": "30s",
-            "failureLimit": 1,
+            "failureLimit": 2,
             "minSamples": 3,
             "maxInconclusive": 20,
             "onMetricsUnavailable": {"action": "Hold"},
