@@ -218,6 +218,7 @@ def test_tenant_table_shows_each_clients_p99() -> None:
             sample("bbb", "canary", "web", 900),
             sample("bbb", "canary", "mobile", 100),
             sample("aaa", "stable", "web", 5000),
+            sample("aaa", "stable", "default", 0),  # no request named no tenant: not a row
         ],
         ["aaa", "bbb"],
     )

@@ -25,6 +25,7 @@ from batchpilot_operator.analysis import (
     run_analysis,
 )
 from batchpilot_operator.spec import PolicySpec, TenantsSpec
+from batchpilot_operator.status import Status
 from bptest import make_spec
 
 NOW = datetime(2026, 11, 30, 2, 0, tzinfo=UTC)
@@ -296,3 +297,79 @@ def test_status_codes_of_rejected_requests_come_back_grouped() -> None:
     # a plain scalar stays a scalar, buckets stay buckets
     assert measurement_from_result("q", [{"metric": {}, "value": [1, "5"]}]).value == 5.0
     assert measurement_from_result("q", [{"metric": {"le": "+Inf"}, "value": [1, "5"]}]).buckets is not None
+
+
+# ---- through the real planner: what status, ledger and history say
+def rollout(table: Table, until: float = 600.0) -> list[Status]:
+    """The initial revision, then a change rolled out with every analysis judged on ``table``."""
+    from datetime import timedelta
+
+    from batchpilot_operator.planner import (
+        Decision,
+        Observed,
+        PlanInputs,
+        TrackObserved,
+        analysis_due,
+        analysis_target,
+        plan,
+    )
+
+    old, new = (
+        tenant_spec(),
+        make_spec(batch=16, minSamples=50).model_copy(update={"tenants": TenantsSpec(names=["a", "b"])}),
+    )
+    status, observed, generation = Status(), Observed(), 1
+    seen: list[Status] = []
+
+    def converge(d: Decision) -> Observed:
+        canary = TrackObserved(d.canary_revision, d.canary_replicas, d.canary_replicas) if d.canary_revision else None
+        return Observed(stable=TrackObserved(d.stable_revision, d.stable_replicas, d.stable_replicas), canary=canary)
+
+    t = 0.0
+    while t <= until:
+        spec = old if t < 2 else new
+        generation = 1 if t < 2 else 2
+        now = NOW + timedelta(seconds=t)
+        result = None
+        target = analysis_target(status)
+        if target is not None and analysis_due(spec, status, now):
+            result = run_analysis(
+                SliceBackend(table), spec, policy="chat", namespace="ml", canary_revision=target[0],
+                stable_revision=target[1], now=now, history=status.rollout.evidence if status.rollout else None,
+            )  # fmt: skip
+        d = plan(
+            PlanInputs(spec=spec, generation=generation, status=status, observed=observed, now=now, analysis=result)
+        )
+        status, observed = d.status, converge(d)
+        seen.append(status.model_copy(deep=True))
+        if t >= 2 and status.rollout is None:
+            break
+        t += 1.0 if t < 2 else 5.0
+    return seen
+
+
+def test_a_slice_failure_rolls_back_and_status_ledger_history_name_the_tenant() -> None:
+    final = rollout(base() | b_latency(9.0))[-1]
+    assert final.phase is not None and final.phase.value == "RolledBack"
+    failed = [e for e in final.ledger if e.kind == "Analysis" and e.outcome == "Failed"]
+    assert failed and {(e.tenant, e.metric) for e in failed} == {("b", "p99Latency")}
+    assert all(e.evidence and e.evidence.startswith("lane interactive tenant b p99 latency") for e in failed)
+    (history,) = [h for h in final.history if h.outcome == "RolledBack"]
+    assert "tenant b" in history.evidence
+    assert final.last_analysis is not None
+    (lane,) = final.last_analysis.lanes
+    assert lane.outcome == "Failed" and lane.tenants is not None
+    rows = {t.tenant: t for t in lane.tenants}
+    assert rows["b"].outcome == "Failed" and rows["b"].evidence and "tenant b" in rows["b"].evidence
+    assert rows["a"].outcome == "Successful" and rows["default"].thin and rows["other"].thin
+    # the total passed every time: the slice alone rolled it back
+    totals = [e for e in final.ledger if e.kind == "Analysis" and e.tenant is None]
+    assert totals and all(e.outcome == "Successful" for e in totals)
+
+
+def test_thin_slices_never_hold_a_rollout() -> None:
+    # Tenant b breaches, but sends fewer than minSamples a window: thin, counted for nothing.
+    seen = rollout(base() | b_latency(3.0, n=30))
+    final = seen[-1]
+    assert final.history[-1].outcome == "Promoted" and final.history[-1].reason == "AllStepsPassed"
+    assert all(s.rollout is None or s.rollout.inconclusive_streak == 0 for s in seen)

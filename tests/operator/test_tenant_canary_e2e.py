@@ -27,8 +27,11 @@ Prometheus the canaries below would be Inconclusive, never rolled back).
 
 Why so few chat requests: a slice that fails while the total passes must be a small share of
 the requests (its bad share times its share of requests is at most the total's 1%), so its
-requests per window are few: minSamples 3 and a 30 s window keep it judged, and the 90 s step
-pause gives the verdict three analyses before the canary could be promoted. The bulk rate is
+requests per window are few (about 4 on the canary): minSamples 3 and a 30 s window keep it
+judged in most windows (a window in which it is thin passes the step), and the 180 s step pause
+gives the verdict six analyses to find the two failures failureLimit asks for before the canary
+could be promoted (one is not enough: the canary's first window on a busy machine can breach on
+the total, the new process starting under load). The bulk rate is
 bounded by the machine: each bulk request is a batch of its own, and the trace's bursts reach
 15x its mean rate; the 100 ms queue-age objective leaves room for the queueing those bursts
 cause on a busy machine, on both tracks alike.
@@ -92,7 +95,7 @@ POLICY: dict[str, Any] = {
         "slo": {"p99Latency": "300ms", "maxQueueAge": "100ms"},
         "tenants": {"names": ["bulk", "chat"]},
         "rollout": {
-            "steps": [{"weight": 50, "pause": "90s"}],
+            "steps": [{"weight": 50, "pause": "180s"}],
             "analysisInterval": "30s",
             "failureLimit": 2,
             "minSamples": 3,

@@ -421,7 +421,8 @@ def tenant_rows(p99: list[dict[str, Any]], counts: list[dict[str, Any]], order: 
             if math.isfinite(value):
                 rows.setdefault((rev, track, tenant), {"revision": rev, "track": track, "tenant": tenant})[key] = value
     rank = {rev: i for i, rev in enumerate(order)}
-    return sorted(rows.values(), key=lambda r: (rank.get(r["revision"], -1), r["revision"], r["track"], r["tenant"]))
+    served = [r for r in rows.values() if r.get("requests") or r.get("p99Latency") is not None]  # not an idle "default"
+    return sorted(served, key=lambda r: (rank.get(r["revision"], -1), r["revision"], r["track"], r["tenant"]))
 
 
 def _points(series: dict[str, Any], start: float) -> list[tuple[float, float]]:
