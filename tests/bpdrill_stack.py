@@ -254,7 +254,23 @@ class DrillStack:
         try:
             result: dict[str, Any] = self.kube.wait_for(check, timeout, what)
         except AssertionError as exc:
-            logs = "\n".join(f"--- {op.log_path.name}\n{op.log()[-2500:]}" for op in self.ops[-2:])
+            figures = []
+            for op in self.ops[-2:]:
+                if op.proc.poll() is None:
+                    try:
+                        figures.append(
+                            f"{op.log_path.name}: reconciles "
+                            f"{op.metric('batchpilot_operator_reconciles_total')}, errors "
+                            f"{op.metric('batchpilot_operator_reconcile_errors_total')}, queue "
+                            f"{op.metric('batchpilot_operator_workqueue_depth')}, requeues pending "
+                            f"{op.metric('batchpilot_operator_requeues_pending')}"
+                        )
+                    except OSError as err:
+                        figures.append(f"{op.log_path.name}: metrics unreadable: {err}")
+                    op.proc.send_signal(signal.SIGUSR1)  # thread stacks into its log
+                    time.sleep(1.0)  # (the stack dump is written asynchronously; diagnostics only)
+            logs = "\n".join(f"--- {op.log_path.name}\n{op.log()[-6000:]}" for op in self.ops[-2:])
+            logs += "\n" + "\n".join(figures)
             raise AssertionError(
                 f"{exc}\nstatus: {json.dumps(self.status(), indent=1)[-3000:]}\n{logs}\n"
                 f"harness errors: {self.harness.errors[-5:] if self.harness else None}"

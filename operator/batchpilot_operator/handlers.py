@@ -77,6 +77,7 @@ class Loop:
         namespace, name = key
         body = self.caches.policies.get(namespace, name)
         if body is None:
+            log.info("%s/%s: not in the policy cache (deleted?): dropped from the queue", namespace, name)
             self.queue.forget(key)
             return None
         loop = asyncio.get_running_loop()
@@ -242,6 +243,7 @@ async def on_event(event: kopf.RawEvent, memo: kopf.Memo, type: str | None, **_:
     meta = obj["metadata"]
     key: Key = (meta.get("namespace") or "", meta["name"])
     if type == "DELETED":
+        log.info("%s/%s: DELETED event", *key)
         state.caches.policies.observe("DELETED", obj)
         state.queue.forget(key)
         state.last_error.pop(key, None)

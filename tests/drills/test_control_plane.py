@@ -30,7 +30,10 @@ def _restart_mid_canary(tmp_path: Path, drill: Drill, component: str) -> None:
         "the same operator process reconnects, its caches resync, the rollout finishes as it would have "
         "(promoted once); runtime keeps serving"
     )
-    with DrillStack.start(tmp_path, gpu_nodes=2) as s:
+    # Nodes keep their health through the outage: the node lifecycle controller would mark
+    # every pod NotReady once the leases it sees are older than its grace period, and kwok,
+    # unlike a kubelet, never reports an already-started pod Ready again (see test_capacity).
+    with DrillStack.start(tmp_path, gpu_nodes=2, node_monitor_grace_period=600) as s:
         assert s.harness is not None and s.audit is not None
         s.start_traffic()
         op = s.operator()

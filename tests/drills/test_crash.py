@@ -128,6 +128,7 @@ def test_operator_crash_at_every_rollout_transition(tmp_path: Path, drill: Drill
         drill.figures["whole_drill_s"] = round(time.monotonic() - began, 1)
 
 
+@pytest.mark.long_drill  # CI has the hand-over already (tests/operator/test_control_loop.py)
 def test_leader_killed_mid_canary_standby_finishes(tmp_path: Path, drill: Drill) -> None:
     drill.fault = "leader operator (of 2, --leader-elect) SIGKILLed mid-canary"
     drill.expected = "the standby takes the Lease within its 15 s duration and finishes the rollout: promoted once"

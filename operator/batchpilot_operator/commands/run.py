@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import faulthandler
 import logging
 import os
 import signal
@@ -104,6 +105,8 @@ def run(args: argparse.Namespace) -> int:
     if args.metrics_port:
         start_http_server(args.metrics_port, addr="0.0.0.0")
     log = logging.getLogger("batchpilot")
+    # `kill -USR1 <pid>` writes every thread's stack to stderr: what a stuck operator is doing.
+    faulthandler.register(signal.SIGUSR1, all_threads=True)
     elector = None
     if args.leader_elect:
         elector = _lead(args, identity, log)
