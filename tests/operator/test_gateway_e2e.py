@@ -340,12 +340,18 @@ def test_weights_header_and_rollback_through_contour_and_envoy(scenario: Scenari
             # gets far less per pod than each of the two stable pods (45% each), underfed
             # against the default minCanaryLoadRatio of 0.5.
             queries = {
-                track: per_pod_rate_query(namespace=s.namespace, policy="shop", track=track, revision=rev, window=10)
+                track: per_pod_rate_query(namespace=s.namespace, policy="shop", track=track, revision=rev, window=30)
                 for track, rev in (("canary", canary), ("stable", first))
             }
-            rates = {t: PrometheusBackend(s.prometheus_url).measure([q])[q].value for t, q in queries.items()}
+
+            def measured_rates(q: dict[str, str] = queries) -> dict[str, float | None] | None:
+                # Both tracks' last scrapes of the burst may land a second or two after it (a
+                # scrape of a busy runtime can miss its 1 s timeout): wait until both are there.
+                got = {t: PrometheusBackend(s.prometheus_url).measure([v])[v].value for t, v in q.items()}
+                return got if got["canary"] and got["stable"] else None
+
+            rates = s.kube.wait_for(measured_rates, 30, "both tracks' per-pod rates in Prometheus")
             figures["per_pod_rates_at_10"] = rates
-            assert rates["canary"] and rates["stable"], rates
             assert 0.1 < rates["canary"] / rates["stable"] < 0.45, rates
             assert underfed(rates["canary"], rates["stable"], 0.5), rates
             # the tenant header reaches the canary, every time
