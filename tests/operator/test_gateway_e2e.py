@@ -318,7 +318,6 @@ def test_weights_header_and_rollback_through_contour_and_envoy(scenario: Scenari
         after = requests_by_track(s.harness)
         assert (s.gw.envoy_weights("shop") or {}).get("canary") == weight, "the step moved during the burst"
         assert s.status().get("currentStepIndex", index) == index
-        s.kube.kubectl("annotate", "batchingpolicy", "shop", "-n", s.namespace, "batchpilot.dev/pause-")
         counted = {t: after[t] - before[t] for t in ("stable", "canary")}
         total = counted["stable"] + counted["canary"]
         share = 100 * counted["canary"] / total
@@ -340,17 +339,22 @@ def test_weights_header_and_rollback_through_contour_and_envoy(scenario: Scenari
             # gets far less per pod than each of the two stable pods (45% each), underfed
             # against the default minCanaryLoadRatio of 0.5.
             queries = {
-                track: per_pod_rate_query(namespace=s.namespace, policy="shop", track=track, revision=rev, window=30)
+                track: per_pod_rate_query(namespace=s.namespace, policy="shop", track=track, revision=rev, window=120)
                 for track, rev in (("canary", canary), ("stable", first))
             }
+            pods = {"canary": st["canaryReplicas"], "stable": st["stableReplicas"]}
 
-            def measured_rates(q: dict[str, str] = queries) -> dict[str, float | None] | None:
-                # Both tracks' last scrapes of the burst may land a second or two after it (a
-                # scrape of a busy runtime can miss its 1 s timeout): wait until both are there.
+            def measured_rates(
+                q: dict[str, str] = queries, pods: dict[str, int] = pods, counted: dict[str, int] = counted
+            ) -> dict[str, float | None] | None:
+                # Wait until Prometheus has the whole burst on both tracks: a busy runtime's
+                # scrapes can miss their 1 s timeout during it, and a rate read before the next
+                # good scrape holds only part of the burst (0.1 req/s on the canary in one run).
                 got = {t: PrometheusBackend(s.prometheus_url).measure([v])[v].value for t, v in q.items()}
-                return got if got["canary"] and got["stable"] else None
+                seen = all((got[t] or 0.0) * 120 * pods[t] >= 0.8 * counted[t] for t in ("canary", "stable"))
+                return got if seen else None
 
-            rates = s.kube.wait_for(measured_rates, 30, "both tracks' per-pod rates in Prometheus")
+            rates = s.kube.wait_for(measured_rates, 60, "the burst's per-pod rates in Prometheus")
             figures["per_pod_rates_at_10"] = rates
             assert 0.1 < rates["canary"] / rates["stable"] < 0.45, rates
             assert underfed(rates["canary"], rates["stable"], 0.5), rates
@@ -358,6 +362,8 @@ def test_weights_header_and_rollback_through_contour_and_envoy(scenario: Scenari
             tenant = burst(s.gw.url, 200, headers=TENANT, concurrency=8)
             figures["header"] = dict(tenant)
             assert tenant == Counter({canary: 200}), tenant
+        # Measured with the step held; now let the rollout go on.
+        s.kube.kubectl("annotate", "batchingpolicy", "shop", "-n", s.namespace, "batchpilot.dev/pause-")
     done = s.wait(lambda st: st.get("stableRevision") == canary and st.get("phase") == "Healthy", 240, "promoted")
     assert done["history"][-1]["outcome"] == "Promoted"
     s.envoy_at(0)
