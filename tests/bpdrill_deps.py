@@ -21,48 +21,13 @@ from batchpilot_operator.localdev.load import TraceReplay
 from batchpilot_operator.localdev.prometheus import PrometheusServer, start_prometheus
 from batchpilot_operator.localdev.toxiproxy import Toxiproxy
 from batchpilot_operator.tune.trace import load_trace
-from bptest import REPO, Kube, OperatorProcess, start_operator
+from bptest import REPO, TINY_CANARY_POLICY, Kube, OperatorProcess, start_operator
 
 TRACE = REPO.parent / "shared" / "traces" / "azure-llm-2023-code.csv"
 RATE = 40.0  # requests/s over the policy under load
 
-# The canary e2e test's policy: two pods, one interactive lane, one 50% step of 6 s, analysed
-# every 4 s; Prometheus trouble holds the rollout (drill 4 switches to Rollback).
-POLICY: dict[str, Any] = {
-    "apiVersion": "batchpilot.dev/v1alpha1",
-    "kind": "BatchingPolicy",
-    "metadata": {"name": "shop"},
-    "spec": {
-        "model": {
-            "name": "tiny",
-            "image": "runtime:dev",
-            "source": "builtin:tiny-mlp",
-            "device": "cpu",
-            "dtype": "float32",
-            "threads": 1,
-        },
-        "replicas": 2,
-        "resources": {"gpus": 1},
-        "lanes": [
-            {
-                "name": "interactive",
-                "maxBatchSize": 8,
-                "maxQueueDelay": "2ms",
-                "maxQueueLength": 256,
-                "requestTimeout": "1s",
-                "priority": 10,
-            }
-        ],
-        "slo": {"p99Latency": "120ms", "maxQueueAge": "60ms"},
-        "rollout": {
-            "steps": [{"weight": 50, "pause": "6s"}],
-            "analysisInterval": "4s",
-            "failureLimit": 2,
-            "minSamples": 20,
-            "onMetricsUnavailable": {"action": "Hold"},
-        },
-    },
-}
+# The canary e2e test's policy (drill 4 switches onMetricsUnavailable to Rollback).
+POLICY = TINY_CANARY_POLICY
 
 
 def policy(name: str = "shop", window: str = "2ms", **rollout: Any) -> dict[str, Any]:

@@ -35,7 +35,7 @@ from batchpilot_operator.localdev.harness import RuntimeHarness
 from batchpilot_operator.localdev.load import TraceReplay
 from batchpilot_operator.localdev.prometheus import PrometheusServer, start_prometheus
 from batchpilot_operator.tune.trace import load_trace
-from bptest import CRD, REPO, Kube, OperatorProcess, start_operator
+from bptest import CRD, REPO, TINY_CANARY_POLICY, Kube, OperatorProcess, start_operator
 
 TRACE = REPO.parent / "shared" / "traces" / "azure-llm-2023-code.csv"
 NAMESPACE = "drill"
@@ -43,41 +43,15 @@ POLICY_NAME = "shop"
 
 # The drills' policy: the canary e2e's tiny CPU model, two pods, two short canary steps
 # analysed every 3 s (so a rollout takes about half a minute), a short progress deadline.
-POLICY: dict[str, Any] = {
-    "apiVersion": "batchpilot.dev/v1alpha1",
-    "kind": "BatchingPolicy",
-    "metadata": {"name": POLICY_NAME},
-    "spec": {
-        "model": {
-            "name": "tiny",
-            "image": "runtime:dev",
-            "source": "builtin:tiny-mlp",
-            "device": "cpu",
-            "dtype": "float32",
-            "threads": 1,
-        },
-        "replicas": 2,
-        "resources": {"gpus": 1},
-        "lanes": [
-            {
-                "name": "interactive",
-                "maxBatchSize": 8,
-                "maxQueueDelay": "2ms",
-                "maxQueueLength": 256,
-                "requestTimeout": "1s",
-            }
-        ],
-        "slo": {"p99Latency": "120ms", "maxQueueAge": "60ms"},
-        "rollout": {
-            "steps": [{"weight": 25, "pause": "4s"}, {"weight": 50, "pause": "4s"}],
-            "analysisInterval": "3s",
-            "failureLimit": 2,
-            "minSamples": 15,
-            "onMetricsUnavailable": {"action": "Hold"},
-            "progressDeadline": "30s",
-        },
-    },
-}
+POLICY: dict[str, Any] = copy.deepcopy(TINY_CANARY_POLICY)
+POLICY["metadata"]["name"] = POLICY_NAME
+POLICY["spec"]["lanes"][0].pop("priority")
+POLICY["spec"]["rollout"].update(
+    steps=[{"weight": 25, "pause": "4s"}, {"weight": 50, "pause": "4s"}],
+    analysisInterval="3s",
+    minSamples=15,
+    progressDeadline="30s",
+)
 
 
 def policy(window: str = "2ms", max_batch_size: int = 8, **rollout: Any) -> dict[str, Any]:

@@ -304,3 +304,42 @@ def lua_literal(value: Any) -> str:
         items = [f"[{lua_literal(str(k))}] = {lua_literal(v)}" for k, v in value.items() if v is not None]
         return "{" + ", ".join(items) + "}"
     raise TypeError(f"not JSON: {value!r}")
+
+
+# The canary end-to-end policy: the tiny CPU model on two pods, one interactive lane, one 50%
+# step of 6 s analysed every 4 s; Prometheus trouble holds the rollout. The drills start from it.
+TINY_CANARY_POLICY: dict[str, Any] = {
+    "apiVersion": "batchpilot.dev/v1alpha1",
+    "kind": "BatchingPolicy",
+    "metadata": {"name": "shop"},
+    "spec": {
+        "model": {
+            "name": "tiny",
+            "image": "runtime:dev",
+            "source": "builtin:tiny-mlp",
+            "device": "cpu",
+            "dtype": "float32",
+            "threads": 1,
+        },
+        "replicas": 2,
+        "resources": {"gpus": 1},
+        "lanes": [
+            {
+                "name": "interactive",
+                "maxBatchSize": 8,
+                "maxQueueDelay": "2ms",
+                "maxQueueLength": 256,
+                "requestTimeout": "1s",
+                "priority": 10,
+            }
+        ],
+        "slo": {"p99Latency": "120ms", "maxQueueAge": "60ms"},
+        "rollout": {
+            "steps": [{"weight": 50, "pause": "6s"}],
+            "analysisInterval": "4s",
+            "failureLimit": 2,
+            "minSamples": 20,
+            "onMetricsUnavailable": {"action": "Hold"},
+        },
+    },
+}

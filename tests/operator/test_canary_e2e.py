@@ -26,48 +26,14 @@ from batchpilot_operator.localdev.harness import RuntimeHarness
 from batchpilot_operator.localdev.load import TraceReplay
 from batchpilot_operator.localdev.prometheus import PrometheusServer
 from batchpilot_operator.tune.trace import load_trace
-from bptest import REPO, Kube, OperatorProcess, Plugin, start_operator
+from bptest import REPO, TINY_CANARY_POLICY, Kube, OperatorProcess, Plugin, start_operator
 
 pytestmark = [pytest.mark.cluster, pytest.mark.prometheus, pytest.mark.slow]
 
 TRACE = REPO.parent / "shared" / "traces" / "azure-llm-2023-code.csv"
 RATE = 40.0  # requests/s over the whole policy
 
-POLICY: dict[str, Any] = {
-    "apiVersion": "batchpilot.dev/v1alpha1",
-    "kind": "BatchingPolicy",
-    "metadata": {"name": "shop"},
-    "spec": {
-        "model": {
-            "name": "tiny",
-            "image": "runtime:dev",
-            "source": "builtin:tiny-mlp",
-            "device": "cpu",
-            "dtype": "float32",
-            "threads": 1,
-        },
-        "replicas": 2,
-        "resources": {"gpus": 1},
-        "lanes": [
-            {
-                "name": "interactive",
-                "maxBatchSize": 8,
-                "maxQueueDelay": "2ms",
-                "maxQueueLength": 256,
-                "requestTimeout": "1s",
-                "priority": 10,
-            }
-        ],
-        "slo": {"p99Latency": "120ms", "maxQueueAge": "60ms"},
-        "rollout": {
-            "steps": [{"weight": 50, "pause": "6s"}],
-            "analysisInterval": "4s",
-            "failureLimit": 2,
-            "minSamples": 20,
-            "onMetricsUnavailable": {"action": "Hold"},
-        },
-    },
-}
+POLICY = TINY_CANARY_POLICY
 
 
 def with_window(window: str, max_batch_size: int | None = None, max_queue_length: int | None = None) -> dict[str, Any]:
