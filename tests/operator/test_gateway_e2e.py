@@ -132,6 +132,12 @@ def requests_by_track(harness: RuntimeHarness) -> Counter[str]:
     return totals
 
 
+def scraped(prometheus_url: str, namespace: str, revision: str) -> float:
+    """How many of the revision's runtime processes Prometheus has scraped (``up`` is 1)."""
+    up = f'count(up{{namespace="{namespace}",policy="shop",revision="{revision}"}} == 1)'
+    return PrometheusBackend(prometheus_url).measure([up])[up].value or 0.0
+
+
 def burst(url: str, n: int, headers: dict[str, str] | None = None, concurrency: int = 24) -> Counter[str]:
     """``n`` infer requests through the gateway; the answers counted by model_version (revision)."""
     body = {"inputs": [{"name": "input", "shape": [1, 512], "datatype": "FP32", "data": ROW}]}
@@ -312,6 +318,15 @@ def test_weights_header_and_rollback_through_contour_and_envoy(scenario: Scenari
             120,
             "the canary's runtime processes ready",
         )
+        # ... and Prometheus scrapes them: the harness registers a process as a target once it is
+        # ready, and discovery takes a few seconds more. A burst sent before the first scrape is
+        # missing from every rate (the series starts at the burst's count), which the fairness
+        # figures below read.
+        s.kube.wait_for(
+            lambda: scraped(s.prometheus_url, s.namespace, canary) >= st["canaryReplicas"],  # noqa: B023 (as above)
+            60,
+            "Prometheus scraping the canary's runtime processes",
+        )
         s.envoy_at(weight)
         before = requests_by_track(s.harness)
         answers = burst(s.gw.url, burst_size(weight), concurrency=12)
@@ -344,17 +359,26 @@ def test_weights_header_and_rollback_through_contour_and_envoy(scenario: Scenari
             }
             pods = {"canary": st["canaryReplicas"], "stable": st["stableReplicas"]}
 
+            last_rates: dict[str, float | None] = {}
+
             def measured_rates(
-                q: dict[str, str] = queries, pods: dict[str, int] = pods, counted: dict[str, int] = counted
+                q: dict[str, str] = queries,
+                pods: dict[str, int] = pods,
+                counted: dict[str, int] = counted,
+                last_rates: dict[str, float | None] = last_rates,
             ) -> dict[str, float | None] | None:
                 # Wait until Prometheus has the whole burst on both tracks: a busy runtime's
                 # scrapes can miss their 1 s timeout during it, and a rate read before the next
                 # good scrape holds only part of the burst (0.1 req/s on the canary in one run).
                 got = {t: PrometheusBackend(s.prometheus_url).measure([v])[v].value for t, v in q.items()}
+                last_rates.update(got)
                 seen = all((got[t] or 0.0) * 120 * pods[t] >= 0.8 * counted[t] for t in ("canary", "stable"))
                 return got if seen else None
 
-            rates = s.kube.wait_for(measured_rates, 60, "the burst's per-pod rates in Prometheus")
+            try:
+                rates = s.kube.wait_for(measured_rates, 60, "the burst's per-pod rates in Prometheus")
+            except AssertionError as exc:
+                raise AssertionError(f"{exc}\nlast per-pod rates {last_rates}, burst counted {counted}") from exc
             figures["per_pod_rates_at_10"] = rates
             assert 0.1 < rates["canary"] / rates["stable"] < 0.45, rates
             assert underfed(rates["canary"], rates["stable"], 0.5), rates
