@@ -62,6 +62,19 @@ def environment_of(body: dict[str, Any]) -> str | None:
     return str(value) if value else None
 
 
+def new_ready_replicas(status: dict[str, Any]) -> int:
+    """Ready pods that surely run the Deployment's current template.
+
+    ``readyReplicas`` counts the old ReplicaSet's pods too: in the middle of a rolling update
+    (maxSurge 1: 1 old and 2 new pods, the second new one not ready yet) ``min(updatedReplicas,
+    readyReplicas)`` already says 2 of 2, and a promotion would move the whole route to a stable
+    half of which still runs the old revision. Counting every old pod as ready gives the lower
+    bound (what ``kubectl rollout status`` waits for: no old pod left, every new one ready)."""
+    updated = int(status.get("updatedReplicas", 0))
+    old = max(0, int(status.get("replicas", 0)) - updated)
+    return max(0, min(updated, int(status.get("readyReplicas", 0)) - old))
+
+
 def observe_track(deployment: Manifest | None) -> TrackObserved | None:
     if deployment is None:
         return None
@@ -69,7 +82,7 @@ def observe_track(deployment: Manifest | None) -> TrackObserved | None:
     status = deployment.get("status") or {}
     labels = spec.get("template", {}).get("metadata", {}).get("labels", {})
     current = status.get("observedGeneration", 0) >= deployment["metadata"].get("generation", 0)
-    ready = min(status.get("updatedReplicas", 0), status.get("readyReplicas", 0)) if current else 0
+    ready = new_ready_replicas(status) if current else 0
     return TrackObserved(revision=labels.get(LABEL_REVISION), replicas=spec.get("replicas", 0), ready_replicas=ready)
 
 

@@ -132,7 +132,8 @@ class TrackObserved:
 
     ``revision``: the revision of its pod template; ``replicas``: its ``spec.replicas``;
     ``ready_replicas``: ready pods running that revision (for a Deployment whose
-    ``status.observedGeneration`` is current: ``min(updatedReplicas, readyReplicas)``).
+    ``status.observedGeneration`` is current, ``controller.new_ready_replicas``: ready pods less
+    any old pod still there, at most ``updatedReplicas``).
     """
 
     revision: str | None

@@ -1,5 +1,6 @@
 """Pure logic of the controller loop: the work queue's coalescing, serialization, fairness
-and requeues (on an asyncio loop, no API), and the cache's stale-read rules."""
+and requeues (on an asyncio loop, no API), the cache's stale-read rules, and what a
+Deployment's status says is ready."""
 
 from __future__ import annotations
 
@@ -12,6 +13,7 @@ import pytest
 from batchpilot_operator.control.cache import ObjectCache
 from batchpilot_operator.control.leader import LeaseTiming
 from batchpilot_operator.control.workqueue import WorkQueue
+from batchpilot_operator.controller import new_ready_replicas
 
 # --------------------------------------------------------------------------- work queue
 
@@ -246,3 +248,27 @@ def test_lease_timing_must_be_ordered() -> None:
     LeaseTiming()
     with pytest.raises(ValueError, match="lease duration > renew deadline > retry period"):
         LeaseTiming(lease_duration=10, renew_deadline=10, retry_period=2)
+
+
+# --------------------------------------------------------------------------- deployments
+
+
+@pytest.mark.parametrize(
+    ("replicas", "updated", "ready", "expected"),
+    [
+        (2, 2, 2, 2),  # done: every pod new and ready
+        (3, 1, 2, 0),  # the first surge pod not ready; the 2 ready ones are old
+        (3, 1, 3, 1),
+        (2, 1, 2, 1),  # one old pod gone, one left
+        (3, 2, 2, 1),  # the second surge pod not ready: min(updated, ready) said 2
+        (3, 2, 3, 2),  # every new pod ready, the old one not gone yet
+        (2, 2, 1, 1),
+        (4, 2, 2, 0),  # maxSurge 100%: 2 old ready, 2 new not
+        (0, 0, 0, 0),
+    ],
+)
+def test_ready_counts_only_pods_surely_on_the_new_template(
+    replicas: int, updated: int, ready: int, expected: int
+) -> None:
+    status = {"replicas": replicas, "updatedReplicas": updated, "readyReplicas": ready}
+    assert new_ready_replicas(status) == expected
