@@ -17,8 +17,9 @@ the step's weight exactly. Three functions decide it; ``controller`` carries the
   it had, or 0 for a new revision); a rollback, abort or supersede sets it to 0 at once, and
   the canary Deployment goes only when the route is *observed* at 0 (``planner``'s
   ``route_canary_weight``); a promotion keeps the last weight on the canary (which runs the
-  new revision) until the stable runs it with every pod ready, then moves 100% to the stable,
-  and the canary goes once the route shows 0.
+  new revision), and the header rule with it, until the stable runs it with every pod ready,
+  then moves 100% to the stable and drops the header rule in one write, and the canary goes
+  once the route shows neither.
 * :func:`route_rules`: the HTTPRoute's ``spec.rules`` with only the target rule's backendRefs
   (and, with ``header``, one rule of ours before it sending matching requests to the canary)
   changed. Gateway API types ``spec.rules`` as an atomic list, so a server-side apply owns the
@@ -104,8 +105,10 @@ def desired_route(inputs: RouteInputs) -> RouteTarget:
     current = inputs.observed.canary_weight if inputs.observed is not None else 0
     if inputs.rollout_revision is None:
         if inputs.promoting:
-            # The canary runs the promoted revision; the stable is still rolling to it.
-            return RouteTarget(canary_weight=current, header=False)
+            # The canary runs the promoted revision; the stable is still rolling to it. The
+            # header traffic stays on the canary too: without the rule it would follow the
+            # weights, and part of it would reach the stable's old revision.
+            return RouteTarget(canary_weight=current, header=True)
         return RouteTarget(canary_weight=0, header=False)
     if inputs.step_ready:
         return RouteTarget(canary_weight=inputs.step_weight, header=True)

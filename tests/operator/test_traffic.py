@@ -293,6 +293,33 @@ def test_new_canary_gets_no_weight_before_ready_and_header_rule_follows() -> Non
     assert rolled.route == RouteTarget(canary_weight=0, header=False)
 
 
+def test_header_traffic_reaches_only_the_new_revision_until_the_stable_runs_it() -> None:
+    """From the decision that adds the header rule until the rollout is done, a header-matched
+    request reaches the new revision: the rule stays through every step and the promotion, and
+    goes only in the write that moves 100% to a stable whose every pod runs the new revision."""
+    header = {"name": "x-tenant", "value": "acme"}
+    w = healthy_world(spec(header=header))
+    old = w.stable.revision
+    w.spec = spec(lane_window="6ms", header=header)
+    d = w.run_until(lambda d: d.route is not None and d.route.header)
+    new = d.status.rollout.revision if d.status.rollout is not None else None
+    assert new is not None and new != old
+    promoted = False
+    for _ in range(400):
+        observed_stable = (w.stable.revision, w.stable.ready)
+        d = w.tick()
+        assert d.route is not None
+        promoted = promoted or any(e.reason == "Promoted" for e in d.events)
+        if not d.route.header:
+            assert promoted, "the header rule dropped while the canary was still in its steps"
+            assert observed_stable == (new, 2), f"header traffic sent to a stable not yet running {new}"
+            assert d.route.canary_weight == 0
+            break
+    else:
+        raise AssertionError("the header rule never went")
+    assert w.tick().canary_replicas == 0
+
+
 def test_header_only_traffic_also_drains_before_the_canary_goes() -> None:
     """A canary that takes only header traffic (weight 0, our header rule on the route) is
     scaled away only once the route is seen without the rule."""
