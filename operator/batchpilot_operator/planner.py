@@ -850,6 +850,7 @@ class _Planner:
                     step_index=r.step_index if r is not None else 0,
                     step_ready=r is not None and r.step_started_at is not None,
                     canary_ready_revision=oc.revision if oc is not None and oc.ready_replicas > 0 else None,
+                    canary_revision=oc.revision if oc is not None and oc.replicas > 0 else None,
                     promoting=finishing and stable_ready < spec.replicas,
                     observed=observed.route,
                     previous_step_weight=(

@@ -98,6 +98,8 @@ class RouteInputs:
     """A promotion is finishing: the stable is not yet ready at the new revision."""
     observed: RouteObserved | None
     previous_step_weight: int = 0
+    canary_revision: str | None = None
+    """Revision of the canary Deployment's pod template, ready or not (None: no Deployment)."""
 
 
 def desired_route(inputs: RouteInputs) -> RouteTarget:
@@ -112,11 +114,17 @@ def desired_route(inputs: RouteInputs) -> RouteTarget:
         return RouteTarget(canary_weight=0, header=False)
     if inputs.step_ready:
         return RouteTarget(canary_weight=inputs.step_weight, header=True)
-    if inputs.canary_ready_revision != inputs.rollout_revision:
-        # A new (or superseding) canary whose pods are not ready: nothing goes to it yet.
-        return RouteTarget(canary_weight=0, header=False)
-    # A later step waiting for its extra pods: keep what the ready pods already take.
-    return RouteTarget(canary_weight=min(current, inputs.previous_step_weight), header=True)
+    routed = inputs.observed is not None and (inputs.observed.canary_weight > 0 or inputs.observed.header_rule)
+    if inputs.canary_ready_revision == inputs.rollout_revision or (
+        routed and inputs.canary_revision == inputs.rollout_revision
+    ):
+        # A later step waiting for its extra pods: keep what the ready pods already take. Also
+        # while the scaled Deployment's status is of its previous generation (no ready count to
+        # trust for a moment): the route already sends this revision traffic, and a weight kept
+        # is no weight moved onto pods not known ready.
+        return RouteTarget(canary_weight=min(current, inputs.previous_step_weight), header=True)
+    # A new (or superseding) canary whose pods are not ready: nothing goes to it yet.
+    return RouteTarget(canary_weight=0, header=False)
 
 
 # --------------------------------------------------------------------------- the route itself

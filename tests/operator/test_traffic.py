@@ -124,11 +124,15 @@ class Track:
     revision: str | None = None
     replicas: int = 0
     ready: int = 0
+    lagging: bool = False
+    """Its Deployment was scaled and its controller has not observed that generation yet: the
+    operator reads no ready pods (``observedGeneration`` behind) for one tick."""
 
 
 class World:
-    """Deployments whose pods get ready one tick after they are asked for; a route that
-    takes the decision's weights at once (as the operator writes it before any scale-down)."""
+    """Deployments whose pods get ready one tick after they are asked for (a scaled one reads
+    as not ready for that tick: its status is of the previous generation); a route that takes
+    the decision's weights at once (as the operator writes it before any scale-down)."""
 
     def __init__(self, s: PolicySpec) -> None:
         self.spec = s
@@ -141,7 +145,7 @@ class World:
 
     def observed(self) -> Observed:
         def obs(t: Track) -> TrackObserved | None:
-            return None if t.revision is None else TrackObserved(t.revision, t.replicas, t.ready)
+            return None if t.revision is None else TrackObserved(t.revision, t.replicas, 0 if t.lagging else t.ready)
 
         return Observed(stable=obs(self.stable), canary=obs(self.canary), route=self.route)
 
@@ -170,6 +174,7 @@ class World:
                 track.revision, track.replicas, track.ready = rev, n, 0
             else:
                 track.ready = track.replicas
+                track.lagging = n != track.replicas
                 track.replicas = n
                 track.ready = min(track.ready, n)
         assert d.route is not None
