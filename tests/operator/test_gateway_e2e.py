@@ -29,9 +29,11 @@ import os
 import subprocess
 import sys
 import threading
+import time
+import urllib.error
 import urllib.request
 from collections import Counter
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -169,6 +171,8 @@ class Watch:
 
     def __init__(self, kube: Kube, *args: str) -> None:
         self.events: list[tuple[int, str, dict[str, Any]]] = []
+        self.seen_at: list[float] = []
+        """When each event reached this process (time.monotonic), beside ``events``."""
         self.proc = subprocess.Popen(
             [
                 kube.kubectl_bin,
@@ -200,11 +204,64 @@ class Watch:
                     break
                 buf = buf.lstrip()[end:]
                 obj = event["object"]
+                self.seen_at.append(time.monotonic())
                 self.events.append((int(obj["metadata"]["resourceVersion"]), event["type"], obj))
 
     def stop(self) -> None:
         self.proc.terminate()
         self.proc.wait(timeout=10)
+
+
+class HeaderStream:
+    """Header-matched requests through the gateway, one after another, until stopped: each as
+    (when it was sent, time.monotonic; the answer's model_version, or ``http <code>`` / the
+    exception's name)."""
+
+    def __init__(self, url: str, headers: dict[str, str]) -> None:
+        self.url, self.headers = f"{url}/v2/models/tiny/infer", headers
+        self.answers: list[tuple[float, str]] = []
+        self._stop = threading.Event()
+        self.busy = threading.Lock()
+        """Held while a request is out: hold it to pause the stream (the bursts count every
+        request the canary gets; these would add to its share)."""
+        self._thread = threading.Thread(target=self._run, daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        body = json.dumps({"inputs": [{"name": "input", "shape": [1, 512], "datatype": "FP32", "data": ROW}]}).encode()
+        while not self._stop.is_set():
+            with self.busy:
+                sent = time.monotonic()
+                req = urllib.request.Request(
+                    self.url, data=body, headers={"Content-Type": "application/json", **self.headers}
+                )
+                try:
+                    with urllib.request.urlopen(req, timeout=10) as resp:
+                        answer = str(json.loads(resp.read()).get("model_version"))
+                except urllib.error.HTTPError as exc:
+                    answer = f"http {exc.code}"
+                except OSError as exc:
+                    answer = type(exc).__name__
+                self.answers.append((sent, answer))
+            self._stop.wait(0.05)
+
+    def stop(self) -> None:
+        self._stop.set()
+        self._thread.join(timeout=15)
+
+
+def canary_weight(route: dict[str, Any]) -> int:
+    """The canary's weight in the route's target rule."""
+    rule = next(r for r in route["spec"]["rules"] if r.get("name") == "infer")
+    return sum(int(b.get("weight", 1)) for b in rule["backendRefs"] if b["name"] == "shop-canary")
+
+
+def has_header_rule(route: dict[str, Any]) -> bool:
+    """The route carries our rule sending the header's requests to the canary."""
+    return any(
+        r.get("matches") and all(b.get("name") == "shop-canary" for b in r.get("backendRefs") or [])
+        for r in route["spec"]["rules"]
+    )
 
 
 class Scenario:
@@ -220,6 +277,8 @@ class Scenario:
     ) -> None:
         self.kube, self.namespace, self.op, self.harness, self.gw = kube, namespace, op, harness, gw
         self.replay, self.prometheus_url = replay, prometheus_url
+        self.closers: list[Callable[[], None]] = []
+        """What the test started that the fixture stops (stopping twice is harmless)."""
 
     def status(self) -> dict[str, Any]:
         return (self.kube.get("batchingpolicy", "shop", self.namespace) or {}).get("status") or {}
@@ -253,6 +312,7 @@ def scenario(kube: Kube, namespace: str, prometheus: PrometheusServer, tmp_path:
     gw = LocalGateway(kube.kubeconfig, kube.kubectl_bin, tmp_path / "gateway", namespace, harness.endpoints).start()
     replay: TraceReplay | None = None
     op: OperatorProcess | None = None
+    sc: Scenario | None = None
     try:
         gw.add_policy("shop")
         ports = {t: gw.proxy.ports[("shop", t)] for t in ("stable", "canary")}
@@ -271,8 +331,11 @@ def scenario(kube: Kube, namespace: str, prometheus: PrometheusServer, tmp_path:
         trace = load_trace(TRACE)
         front = gw.front("shop")
         replay = TraceReplay(trace.scaled_arrivals(BACKGROUND_RATE), lambda: [front], model="tiny").start()
-        yield Scenario(kube, namespace, op, harness, gw, replay, prometheus.url)
+        sc = Scenario(kube, namespace, op, harness, gw, replay, prometheus.url)
+        yield sc
     finally:
+        for close in reversed(sc.closers if sc is not None else []):
+            close()
         if replay is not None:
             replay.stop()
             sys.stderr.write(
@@ -294,6 +357,13 @@ def test_weights_header_and_rollback_through_contour_and_envoy(scenario: Scenari
     s.kube.apply(with_window("4ms"), "-n", s.namespace)
     canary = s.wait(lambda st: st.get("canaryRevision") not in (None, first), 60, "a canary")["canaryRevision"]
     figures: dict[str, Any] = {"steps": []}
+    # Header-matched requests the whole time, and a watch of the route for when our header rule
+    # comes and goes: every one sent while the rule is on must reach the new revision, through
+    # every step and the promotion (the rule goes only when the stable runs it).
+    header_watch = Watch(s.kube, "httproute", "shop", "-n", s.namespace)
+    header_stream = HeaderStream(s.gw.url, TENANT)
+    s.closers += [header_watch.stop, header_stream.stop]
+    header_on: float | None = None
     for index, weight in enumerate((10, 25, 50)):
         st = s.wait(
             lambda st, w=weight: st.get("stepWeight") == w and st.get("canaryWeight") == w,
@@ -328,9 +398,12 @@ def test_weights_header_and_rollback_through_contour_and_envoy(scenario: Scenari
             "Prometheus scraping the canary's runtime processes",
         )
         s.envoy_at(weight)
-        before = requests_by_track(s.harness)
-        answers = burst(s.gw.url, burst_size(weight), concurrency=12)
-        after = requests_by_track(s.harness)
+        if header_on is None:
+            header_on = time.monotonic()  # Envoy has the step's config, our header rule with it
+        with header_stream.busy:
+            before = requests_by_track(s.harness)
+            answers = burst(s.gw.url, burst_size(weight), concurrency=12)
+            after = requests_by_track(s.harness)
         assert (s.gw.envoy_weights("shop") or {}).get("canary") == weight, "the step moved during the burst"
         assert s.status().get("currentStepIndex", index) == index
         counted = {t: after[t] - before[t] for t in ("stable", "canary")}
@@ -391,6 +464,42 @@ def test_weights_header_and_rollback_through_contour_and_envoy(scenario: Scenari
     done = s.wait(lambda st: st.get("stableRevision") == canary and st.get("phase") == "Healthy", 240, "promoted")
     assert done["history"][-1]["outcome"] == "Promoted"
     s.envoy_at(0)
+    header_stream.stop()
+    header_watch.stop()
+    assert header_on is not None
+    # The canary is done when the route sends it nothing: weight 0 and no header rule (one
+    # write, once the stable runs the new revision on every pod). Until then a header-matched
+    # request must reach the new revision, the promotion included. Envoy takes a route change
+    # after the apiserver has it (Contour batches its rebuilds), so a request sent before the
+    # watch saw the change was routed by the route before it; 0.25 s of margin for the watch's
+    # own delay, 1 s after Envoy first had the rule.
+    done_at = [
+        t
+        for t, (_, _, obj) in zip(header_watch.seen_at, header_watch.events, strict=False)
+        if t > header_on and canary_weight(obj) == 0 and not has_header_rule(obj)
+    ]
+    assert done_at, "the route never went back to the stable alone"
+    # ... once, at the end: never for a moment mid-rollout (a scaled canary's Deployment status
+    # lags its generation; the route once read that as no ready canary pod and sent it nothing)
+    again = [
+        (round(t - done_at[0], 2), canary_weight(obj), has_header_rule(obj))
+        for t, (_, _, obj) in zip(header_watch.seen_at, header_watch.events, strict=False)
+        if t > done_at[0] and (canary_weight(obj) > 0 or has_header_rule(obj))
+    ]
+    assert not again, f"the route sent the canary nothing mid-rollout, then traffic again: {again}"
+    held = Counter(a for t, a in header_stream.answers if header_on + 1.0 <= t <= done_at[0] - 0.25)
+    figures["header_stream"] = {
+        "while_canary": dict(held),
+        "all": dict(Counter(a for _, a in header_stream.answers)),
+        # when the others were sent, in seconds from when Envoy had the rule / the route went back
+        "others_sent_at": [
+            (a, round(t - header_on, 2), round(t - done_at[0], 2)) for t, a in header_stream.answers if a != canary
+        ],
+    }
+    sys.stderr.write(f"\n[gateway e2e] header stream while the canary ran: {dict(held)}\n")
+    assert held[canary] >= 50, held
+    wrong = {a: n for a, n in held.items() if a != canary and not a.startswith(("http", "URLError", "Timeout"))}
+    assert not wrong, f"header-matched requests answered by another revision: {wrong} (of {dict(held)})"
     s.kube.wait_for(lambda: s.kube.get("deployment", "shop-canary", s.namespace) is None, 60, "canary removed")
 
     # A bad change: rolled back; the route is at 0 before the canary Deployment goes.
@@ -416,10 +525,6 @@ def test_weights_header_and_rollback_through_contour_and_envoy(scenario: Scenari
     finally:
         route_watch.stop()
         deploy_watch.stop()
-
-    def canary_weight(route: dict[str, Any]) -> int:
-        rule = next(r for r in route["spec"]["rules"] if r.get("name") == "infer")
-        return sum(int(b.get("weight", 1)) for b in rule["backendRefs"] if b["name"] == "shop-canary")
 
     zeroed = [rv for rv, _, obj in route_watch.events if canary_weight(obj) == 0 and len(obj["spec"]["rules"]) == 1]
     raised = [rv for rv, _, obj in route_watch.events if canary_weight(obj) > 0]
