@@ -289,20 +289,25 @@ def test_canary_breaking_one_tenant_is_rolled_back_on_its_slice(scenario: Scenar
     sys.stderr.write("\n[e2e] slow window analyses:\n" + "\n".join(f"{e['time']} {e['evidence']}" for e in entries))
     chat_failed = [e for e in entries if e.get("tenant") == "chat" and e["outcome"] == "Failed"]
     assert chat_failed and {e["metric"] for e in chat_failed} <= {"p99Latency", "queueAge"}, entries
-    # The lane's total (entries without a tenant) held within its SLO while chat's slice failed.
+
+    # The lane's total (entries without a tenant) held within its SLO while chat's slice failed:
+    # in at least one analysis that failed chat, every check of the total passed. Passed:
+    # Successful, or (on a machine busy enough that both tracks' tails breach) a breach the
+    # stable shows alike, which passes a step as well. (Another of chat's failed analyses may
+    # fall in one of the trace's bursts, when the busy machine leaves the total Inconclusive:
+    # over budget on both tracks, not clearly the canary's doing; that passes nothing; or, in a
+    # worse burst, Failed: the rollback's evidence still names chat, asserted below.)
+    def totals_at(t: str) -> list[dict[str, Any]]:
+        return [e for e in entries if e["time"] == t and e.get("tenant") is None]
+
+    def passed(e: dict[str, Any]) -> bool:
+        return e["outcome"] == "Successful" or "the stable track breaches too" in e["evidence"]
+
     times = sorted({e["time"] for e in chat_failed})
-    total_ok = [
-        t
-        for t in times
-        if not any(e["time"] == t and e.get("tenant") is None and e["outcome"] == "Failed" for e in entries)
-    ]
+    total_ok = [t for t in times if all(passed(e) for e in totals_at(t))]
     assert total_ok, json.dumps(entries, indent=1)
-    totals = [e for e in entries if e["time"] == total_ok[-1] and e.get("tenant") is None]
-    # Not Failed: Successful, or (on a machine busy enough that both tracks' tails breach) a
-    # breach the stable shows alike, which passes a step as well.
+    totals = totals_at(total_ok[-1])
     assert [e["metric"] for e in totals] == ["p99Latency", "queueAge", "errorRate", "clientErrors"], totals
-    for e in totals:
-        assert e["outcome"] == "Successful" or "the stable track breaches too" in e["evidence"], e
     for e in chat_failed:
         assert e["evidence"].startswith("lane interactive tenant chat p99 "), e
         # Worse than the stable's same slice decides; over the budget only while the stable's
