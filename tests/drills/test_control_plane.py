@@ -101,6 +101,10 @@ def _restart_mid_canary(tmp_path: Path, drill: Drill, component: str) -> None:
         assert s.replay is not None
         for (revision, track), stats in s.replay.stats.items():
             drill.figures[f"requests_{track}_{revision}_sent_failed"] = f"{stats.sent}/{stats.errors}"
+            if stats.failures:
+                drill.figures[f"requests_{track}_{revision}_failures"] = str(dict(stats.failures))
+        if s.harness.errors:
+            drill.figures["harness_errors"] = "; ".join(s.harness.errors[-5:])[:500]
 
 
 def test_apiserver_restart_mid_canary(tmp_path: Path, drill: Drill) -> None:

@@ -14,7 +14,7 @@ import json
 import random
 import threading
 import time
-from collections import defaultdict, deque
+from collections import Counter, defaultdict, deque
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 
@@ -31,6 +31,8 @@ class TrackStats:
     sent: int = 0
     ok: int = 0
     errors: int = 0
+    failures: Counter[str] = field(default_factory=Counter)
+    """The errors by kind: the HTTP status, or the client exception's name."""
     latencies: deque[float] = field(default_factory=lambda: deque(maxlen=2000))
 
     def p99(self) -> float | None:
@@ -144,10 +146,13 @@ class TraceReplay:
             async with session.post(url, data=payload, headers=headers) as r:
                 await r.read()
                 ok = r.status == 200
-        except (aiohttp.ClientError, TimeoutError):
+                kind = str(r.status)
+        except (aiohttp.ClientError, TimeoutError) as exc:
             ok = False
+            kind = type(exc).__name__
         if ok:
             stats.ok += 1
             stats.latencies.append(time.perf_counter() - scheduled)
         else:
             stats.errors += 1
+            stats.failures[kind] += 1
