@@ -109,6 +109,8 @@ class Server:
         env["PYTHONPATH"] = os.pathsep.join([str(HERE), str(REPO / "runtime"), env.get("PYTHONPATH", "")])
         env["BP_TEST_LOG"] = str(self.log_path)
         env["BP_TEST_GATE"] = str(self.gate_path)
+        self.nice_path = tmp / "model-thread-nice"
+        env["BP_TEST_NICE"] = str(self.nice_path)
         env["OMP_NUM_THREADS"] = "1"
         self.stderr_path = tmp / "server.stderr"
         self._stderr = open(self.stderr_path, "w")  # noqa: SIM115

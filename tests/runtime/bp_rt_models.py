@@ -5,12 +5,14 @@
   before running, so tests see what was dispatched together and in which order;
 * blocks while the file ``$BP_TEST_GATE`` exists (bounded: 60 s), so tests can hold the
   model busy and build queues deterministically;
-* raises on a row whose first element is -12345 (the whole batch fails, nothing else).
+* raises on a row whose first element is -12345 (the whole batch fails, nothing else);
+* writes the niceness of the thread it runs on to ``$BP_TEST_NICE`` (the server's model thread).
 """
 
 from __future__ import annotations
 
 import os
+import threading
 import time
 
 import torch
@@ -26,9 +28,13 @@ class TestModel(nn.Module):
         self.linear = nn.Linear(512, 8)
         self.log_path = os.environ.get("BP_TEST_LOG")
         self.gate_path = os.environ.get("BP_TEST_GATE")
+        self.nice_path = os.environ.get("BP_TEST_NICE")
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         markers = [int(v) for v in x[:, 0].tolist()]
+        if self.nice_path:
+            with open(self.nice_path, "w") as f:
+                f.write(str(os.getpriority(os.PRIO_PROCESS, threading.get_native_id())))
         if self.log_path:
             with open(self.log_path, "a") as f:
                 f.write(",".join(map(str, markers)) + "\n")
