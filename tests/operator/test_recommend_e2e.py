@@ -252,10 +252,30 @@ def test_settings_stale_is_raised_when_the_traffic_doubles(setup: Setup) -> None
 
     replay = s.replay(s.rate)
     started = time.time()
+
+    def judged_calm() -> Any:
+        """The first recommendation over the normal traffic whose window the sender kept up with:
+        a loaded machine's load generator that falls behind and catches up sends bursts the
+        trace does not have, and a p99 here is set by one burst (see SLICE)."""
+        rec = judged_after(since[0])
+        if rec is None:
+            return None
+        end = _t(rec["time"])
+        lagged = [(at, lag) for at, lag in list(replay.late) if end - window <= at <= end]
+        if lagged:
+            skipped.append(round(max(lag for _, lag in lagged), 3))
+            since[0] = max(at for at, _ in lagged)  # the next window must start after the last
+            return None
+        return rec
+
+    skipped: list[float] = []
+    since = [started]
     try:
-        calm = s.kube.wait_for(lambda: judged_after(started), 90, "a recommendation over the normal traffic")
+        calm = s.kube.wait_for(judged_calm, 180, "a recommendation over the normal traffic, sent on time")
     finally:
         replay.stop()
+    if skipped:
+        sys.stderr.write(f"\n[recommend] windows skipped, the sender late by up to {skipped} s\n")
     # No breach predicted. (A window that batches a little better than 1 row may be
     # recommended as MoreCapacityAvailable when the measured per-batch overhead is large.)
     assert not {BREACH_NOW, BREACH_GROWTH} & set(calm["lanes"][0]["reasons"]), json.dumps(calm, indent=1)

@@ -23,6 +23,9 @@ import aiohttp
 from batchpilot_operator.localdev.harness import RuntimeProcess
 from batchpilot_runtime.config import TENANT_HEADER
 
+LATE_S = 0.02
+"""A send started this much after its scheduled time counts as late (see ``TraceReplay.late``)."""
+
 ROW = [round(random.Random(7).uniform(-1, 1), 4) for _ in range(512)]
 
 
@@ -75,6 +78,10 @@ class TraceReplay:
         self.rng = random.Random(seed)
         self.stats: dict[tuple[str, str], TrackStats] = defaultdict(TrackStats)
         self.dropped_no_endpoint = 0
+        self.late: deque[tuple[float, float]] = deque(maxlen=10_000)
+        """(wall-clock time, seconds late) of each send this process started more than
+        ``LATE_S`` after its scheduled time: a loaded machine's sender falling behind and catching
+        up sends a burst the trace does not have."""
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
 
@@ -115,6 +122,8 @@ class TraceReplay:
                     delay = scheduled - time.perf_counter()
                     if delay > 0:
                         await asyncio.sleep(delay)
+                    elif -delay > LATE_S:
+                        self.late.append((time.time(), -delay))
                     targets = self.endpoints()
                     if not targets:
                         self.dropped_no_endpoint += 1
