@@ -306,6 +306,16 @@ def lua_literal(value: Any) -> str:
     raise TypeError(f"not JSON: {value!r}")
 
 
+TINY_MODEL: dict[str, Any] = {
+    "name": "tiny",
+    "image": "runtime:dev",
+    "source": "builtin:tiny-mlp",
+    "device": "cpu",
+    "dtype": "float32",
+    "threads": 1,
+}
+"""The builtin tiny MLP on one CPU thread: the model of the end-to-end policies (copy it)."""
+
 # The canary end-to-end policy: the tiny CPU model on two pods, one interactive lane, one 50%
 # step of 6 s analysed every 4 s; Prometheus trouble holds the rollout. The drills start from it.
 TINY_CANARY_POLICY: dict[str, Any] = {
@@ -313,14 +323,7 @@ TINY_CANARY_POLICY: dict[str, Any] = {
     "kind": "BatchingPolicy",
     "metadata": {"name": "shop"},
     "spec": {
-        "model": {
-            "name": "tiny",
-            "image": "runtime:dev",
-            "source": "builtin:tiny-mlp",
-            "device": "cpu",
-            "dtype": "float32",
-            "threads": 1,
-        },
+        "model": dict(TINY_MODEL),
         "replicas": 2,
         "resources": {"gpus": 1},
         "lanes": [

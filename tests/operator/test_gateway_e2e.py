@@ -47,7 +47,7 @@ from batchpilot_operator.localdev.load import ROW, TraceReplay
 from batchpilot_operator.localdev.prometheus import PrometheusServer
 from batchpilot_operator.prom import PrometheusBackend
 from batchpilot_operator.tune.trace import load_trace
-from bptest import REPO, Kube, OperatorProcess, start_operator
+from bptest import REPO, TINY_MODEL, Kube, OperatorProcess, start_operator
 
 pytestmark = [pytest.mark.cluster, pytest.mark.prometheus, pytest.mark.slow]
 
@@ -71,14 +71,7 @@ POLICY: dict[str, Any] = {
     "kind": "BatchingPolicy",
     "metadata": {"name": "shop"},
     "spec": {
-        "model": {
-            "name": "tiny",
-            "image": "runtime:dev",
-            "source": "builtin:tiny-mlp",
-            "device": "cpu",
-            "dtype": "float32",
-            "threads": 1,
-        },
+        "model": dict(TINY_MODEL),
         "replicas": 2,
         "resources": {"gpus": 1},
         "lanes": [
