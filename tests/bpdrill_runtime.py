@@ -97,6 +97,16 @@ class RuntimeServer:
         except (urllib.error.URLError, OSError):
             return False
 
+    def answered(self) -> int:
+        """Requests this runtime answered 200 so far (its own ``batchpilot_requests_total``)."""
+        with urllib.request.urlopen(self.url + "/metrics", timeout=2) as r:
+            text = r.read().decode()
+        return sum(
+            int(float(line.rsplit(" ", 1)[1]))
+            for line in text.splitlines()
+            if line.startswith("batchpilot_requests_total{") and 'outcome="ok"' in line
+        )
+
     def rss_bytes(self) -> int:
         for line in Path(f"/proc/{self.proc.pid}/status").read_text().splitlines():
             if line.startswith("VmRSS:"):

@@ -180,10 +180,19 @@ def test_runtime_killed_mid_batch(tmp_path: Path, drill: Drill) -> None:
         rate = 0.25 * cap  # each runtime at a quarter of its capacity: headroom on a busy machine
         killed_at: list[float] = []
 
+        due = int(rate * 4)  # the fault lands once runtime a has served 4 s of its load
+
         def kill_later() -> None:
-            time.sleep(4.0)  # part of the drill's script: the fault lands 4 s into the load
-            os.kill(a.proc.pid, signal.SIGKILL)
-            killed_at.append(time.monotonic())
+            deadline = time.monotonic() + 10.0  # the load's length
+            while time.monotonic() < deadline:
+                try:
+                    if a.answered() >= due:
+                        os.kill(a.proc.pid, signal.SIGKILL)
+                        killed_at.append(time.monotonic())
+                        return
+                except OSError:
+                    pass
+                time.sleep(0.02)
 
         killer = threading.Thread(target=kill_later)
         killer.start()
@@ -193,6 +202,7 @@ def test_runtime_killed_mid_batch(tmp_path: Path, drill: Drill) -> None:
 
         ta, tb = run(both())
         killer.join()
+        assert killed_at, f"runtime a never answered {due} requests under the load: {ta.statuses}"
         assert a.proc.wait(timeout=5) == -signal.SIGKILL
         a_failed = ta.sent - ta.statuses.get("200", 0)
         a_lost = sum(v for k, v in ta.statuses.items() if not k.isdigit())
