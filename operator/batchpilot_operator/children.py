@@ -100,6 +100,24 @@ def build_configmap(policy: str, namespace: str, uid: str, spec: PolicySpec, rev
     )
 
 
+def build_ledger_configmap(policy: str, namespace: str, uid: str, name: str, data: dict[str, str]) -> Manifest:
+    """The policy's decision archive (``ledger.py``): no revision label, so no revision's
+    ConfigMap clean-up ever takes it."""
+    return _stamp(
+        {
+            "apiVersion": "v1",
+            "kind": "ConfigMap",
+            "metadata": {
+                "name": name,
+                "namespace": namespace,
+                "labels": {**common_labels(policy), LABEL_COMPONENT: "ledger"},
+                "ownerReferences": [owner_reference(policy, uid)],
+            },
+            "data": data,
+        }
+    )
+
+
 DEFAULT_MEMORY = "4Gi"
 
 

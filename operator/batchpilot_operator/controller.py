@@ -17,7 +17,7 @@ from typing import Any, Protocol
 
 from pydantic import ValidationError
 
-from batchpilot_operator import children, crashpoints, fairness, opmetrics, recommender, traffic
+from batchpilot_operator import children, crashpoints, fairness, ledger, opmetrics, recommender, traffic
 from batchpilot_operator.analysis import AnalysisResult, MetricsBackend, run_analysis
 from batchpilot_operator.children import LABEL_ENVIRONMENT, LABEL_REVISION, LABEL_TRACK, Manifest, Track
 from batchpilot_operator.kube import Kube, TransientKubeError, same_json
@@ -242,8 +242,11 @@ def execute(
             crashpoints.reached("step-advanced")
         if "RolledBack" in decision.rollout_outcomes:
             crashpoints.reached("rollback-half-done")
+    writes += archive_decisions(kube, reader, body, decision.status)
     configmaps = {
-        cm["metadata"]["labels"].get(LABEL_REVISION): cm for cm in reader.list_owned("v1", "ConfigMap", namespace, name)
+        cm["metadata"]["labels"][LABEL_REVISION]: cm
+        for cm in reader.list_owned("v1", "ConfigMap", namespace, name)
+        if LABEL_REVISION in (cm["metadata"].get("labels") or {})
     }
     needed = [decision.stable_revision] + ([decision.canary_revision] if decision.canary_revision else [])
     for revision in needed:
@@ -314,6 +317,27 @@ def execute(
         if revision not in keep:
             writes += kube.delete("v1", "ConfigMap", namespace, cm["metadata"]["name"])
     return writes
+
+
+def archive_decisions(kube: Kube, reader: ChildReader, body: dict[str, Any], status: Status) -> int:
+    """Append the status ledger's decisions that the policy's ledger ConfigMap lacks (``ledger``).
+
+    After the status write: a crash between the two loses nothing, since the next reconcile
+    appends them from status (a decision leaves status only after :data:`DECISION_LIMIT`
+    newer ones, each of which got here first)."""
+    meta = body["metadata"]
+    name, namespace = meta["name"], meta["namespace"]
+    cm_name = ledger.archive_name(name)
+    current = reader.get("v1", "ConfigMap", namespace, cm_name)
+    archive = ledger.archived(current)
+    entries = ledger.merged(archive, status.ledger)
+    if len(entries) == len(archive):
+        return 0
+    keep = (status.stable_revision, status.canary_revision, status.desired_revision)
+    manifest = children.build_ledger_configmap(
+        name, namespace, meta["uid"], cm_name, ledger.archive_data(entries, keep)
+    )
+    return int(kube.apply(manifest, current))
 
 
 def write_route(

@@ -196,7 +196,7 @@ class Kube:
                 force_conflicts=True,
             )
         except UnprocessibleEntityError as exc:
-            if manifest["kind"] == "ConfigMap" and current is not None:
+            if manifest["kind"] == "ConfigMap" and manifest.get("immutable") and current is not None:
                 # An immutable ConfigMap of the same name: revisions are content hashes, so
                 # it already holds this content under an older stamp. Nothing to do.
                 return False

@@ -7,7 +7,8 @@ Installed as the console script ``kubectl-batchpilot``, so ``kubectl batchpilot 
     kubectl batchpilot status NAME      the rollout at a glance: revisions, step, weight, per-lane
                                         p99 and queue age against the SLO, last decisions, why
                                         (-w: redraw on every change until Ctrl-C)
-    kubectl batchpilot history NAME     revisions with outcome and evidence, rollout decisions
+    kubectl batchpilot history NAME     revisions with outcome and evidence, every rollout decision
+                                        (status's and the older ones of the ledger ConfigMap)
     kubectl batchpilot promote NAME     promote the canary now (skip the remaining steps)
     kubectl batchpilot abort NAME       roll the canary back now
     kubectl batchpilot pause NAME       hold the rollout (the step clock stops, no analysis)
@@ -40,7 +41,7 @@ import yaml
 from rich.console import Console
 
 from batchpilot_operator import kubectl_recommend as recommend
-from batchpilot_operator import kubectl_views
+from batchpilot_operator import kubectl_views, ledger
 from batchpilot_operator.oncall import render
 from batchpilot_operator.planner import (
     ABORT_ANNOTATION,
@@ -50,6 +51,7 @@ from batchpilot_operator.planner import (
     RETRY_ANNOTATION,
 )
 from batchpilot_operator.spec import GROUP, PLURAL, VERSION
+from batchpilot_operator.status import LedgerEntry
 
 COMMAND_ANNOTATIONS = {"promote": PROMOTE_ANNOTATION, "abort": ABORT_ANNOTATION, "retry": RETRY_ANNOTATION}
 
@@ -97,6 +99,20 @@ class Cluster:
             raise PluginError(f"reading batchingpolicy {self.namespace}/{name}: {exc.status} {exc.reason}") from exc
         return obj
 
+    def ledger_archive(self, name: str) -> tuple[list[LedgerEntry], str | None]:
+        """The decisions the policy's ledger ConfigMap keeps, or why it could not be read
+        (none yet is no error: a policy whose decisions all fit in status)."""
+        from kubernetes.client.exceptions import ApiException
+
+        cm_name = ledger.archive_name(name)
+        try:
+            cm = self._client.CoreV1Api(self.api).read_namespaced_config_map(cm_name, self.namespace)
+        except ApiException as exc:
+            if exc.status == 404:
+                return [], None
+            return [], f"configmap {self.namespace}/{cm_name}: {exc.status} {exc.reason}"
+        return ledger.archived({"data": cm.data or {}}), None
+
     def annotate(self, name: str, annotations: dict[str, str | None]) -> dict[str, Any]:
         from kubernetes.client.exceptions import ApiException
 
@@ -139,7 +155,9 @@ def cmd_status(cluster: Cluster, args: argparse.Namespace, console: Console) -> 
 
 
 def cmd_history(cluster: Cluster, args: argparse.Namespace, console: Console) -> int:
-    data = render.history(cluster.get(args.name))
+    obj = cluster.get(args.name)
+    archive, error = cluster.ledger_archive(args.name)
+    data = render.history(obj, archive, error)
     return emit(data, args.output, console, render.history_view)
 
 

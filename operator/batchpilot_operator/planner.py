@@ -88,7 +88,6 @@ from batchpilot_operator.spec import PolicySpec
 from batchpilot_operator.status import (
     FAILED_REVISIONS_LIMIT,
     HISTORY_LIMIT,
-    LEDGER_LIMIT,
     AnalysisSummary,
     Condition,
     ConditionStatus,
@@ -103,6 +102,7 @@ from batchpilot_operator.status import (
     RolloutState,
     Status,
     TenantSummary,
+    trim_ledger,
 )
 from batchpilot_operator.traffic import RouteInputs, RouteObserved, RouteTarget, desired_route, split_for_routing
 
@@ -347,7 +347,7 @@ class _Planner:
 
     def _append_ledger(self, entry: LedgerEntry) -> None:
         self.st.ledger.append(entry)
-        del self.st.ledger[:-LEDGER_LIMIT]
+        self.st.ledger = trim_ledger(self.st.ledger)
 
     def history(self, revision: str, outcome: HistoryOutcome, reason: str, evidence: str = "") -> None:
         self.st.history.append(

@@ -30,7 +30,7 @@ Wire shape (all keys camelCase; optional keys are omitted when empty)::
                    p99LatencySlo, queueAge, maxQueueAge, errorRate, maxErrorRate,
                    samples, queueSamples, requests, stableP99Latency, stableQueueAge,
                    stableErrorRate, stableSamples}]}
-    ledger: [{time, kind, revision, ...}]   (bounded, newest last)
+    ledger: [{time, kind, revision, ...}]   (bounded per kind, newest last: see trim_ledger)
     history: [{revision, outcome, time, reason, evidence}] (bounded, newest last)
     recommendation: {time, nextAt, window, growth, margin, stale, reason, message, pods,
                      lanes: [...], failed, patch}   (spec.tuning only; see Recommendation)
@@ -46,8 +46,17 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
-LEDGER_LIMIT = 50
-"""Ledger entries kept in status (newest last). One analysis of a two-lane policy adds 4."""
+DECISION_LIMIT = 60
+"""Decision entries (every ledger kind but Analysis) kept in status, newest last. A rollout
+makes a few (CanaryStarted, one StepAdvanced a step, Promoted or RolledBack, and the pauses,
+commands and stalls on-call caused), so status holds the last several rollouts whole; every
+decision is also appended to the policy's ledger ConfigMap (``ledger.py``), which keeps the
+older ones. Analyses never push a decision out."""
+ANALYSIS_LIMIT = 60
+"""Analysis entries kept in status, newest last: one analysis adds one per lane and objective
+(and per tenant slice held against the canary), so a two-lane policy keeps its last ten. Their
+verdicts are carried by the decisions they led to (whose evidence quotes them) and their
+counts by ``rollout.evidence``; the measurements themselves stay in Prometheus."""
 HISTORY_LIMIT = 20
 """Revision outcomes kept in status.history."""
 FAILED_REVISIONS_LIMIT = 20
@@ -297,6 +306,21 @@ class Status(_Model):
 
     def is_failed(self, revision: str) -> bool:
         return any(f.revision == revision for f in self.failed_revisions)
+
+
+def trim_ledger(entries: list[LedgerEntry]) -> list[LedgerEntry]:
+    """The ledger bounded per kind, in order: the newest :data:`ANALYSIS_LIMIT` analyses and
+    the newest :data:`DECISION_LIMIT` decisions. A burst of analyses (a long rollout, a slow
+    machine) can never push out the decision that started a canary."""
+    left = {True: ANALYSIS_LIMIT, False: DECISION_LIMIT}
+    kept: list[LedgerEntry] = []
+    for entry in reversed(entries):
+        is_analysis = entry.kind == "Analysis"
+        if left[is_analysis] > 0:
+            left[is_analysis] -= 1
+            kept.append(entry)
+    kept.reverse()
+    return kept
 
 
 def _strip_none(value: Any) -> Any:

@@ -19,6 +19,7 @@ from typing import Any
 import pytest
 import yaml
 
+from batchpilot_operator.status import ANALYSIS_LIMIT, DECISION_LIMIT
 from bptest import INTERACTIVE_LANE, Kube, OperatorProcess, Plugin, policy, policy_status, wait_policy_status
 
 pytestmark = pytest.mark.cluster
@@ -133,6 +134,58 @@ def test_on_call_walks_a_rollout(
         kube, ns, "ranker", lambda s: s.get("stableRevision") == rev, "promoted", operator_without_prometheus
     )
     assert done["history"][-1]["outcome"] == "Promoted" and out["by"] in done["history"][-1]["evidence"]
+
+
+def test_history_keeps_every_decision_after_status_has_moved_on(
+    kube: Kube, namespace: str, operator_without_prometheus: OperatorProcess
+) -> None:
+    """More decisions than status holds (pauses and resumes of a held canary, analysed every
+    second meanwhile): ``history`` still shows every one, in order, from the ledger ConfigMap."""
+    ns, op = namespace, operator_without_prometheus
+    kube.apply(POLICY, "-n", ns)
+    seen: list[str] = []  # every decision, as status showed it (it holds far more than one step adds)
+
+    def record(st: dict[str, Any]) -> dict[str, Any]:
+        for e in st.get("ledger", []):
+            line = json.dumps(e, sort_keys=True)
+            if e["kind"] != "Analysis" and line not in seen:
+                seen.append(line)
+        return st
+
+    record(wait_policy_status(kube, ns, "ranker", lambda s: s.get("phase") == "Healthy", "Healthy", op))
+    changed = copy.deepcopy(POLICY)
+    changed["spec"]["lanes"][0]["maxQueueDelay"] = "3ms"
+    kube.apply(changed, "-n", ns)
+    rev = record(wait_policy_status(kube, ns, "ranker", lambda s: stalled(s), "a held canary", op))["canaryRevision"]
+
+    def analyses(s: dict[str, Any]) -> int:
+        return sum(e["kind"] == "Analysis" for e in s.get("ledger", []))
+
+    record(wait_policy_status(kube, ns, "ranker", lambda s: analyses(s) >= ANALYSIS_LIMIT, "analyses fill status", op))
+    cycles = DECISION_LIMIT // 2 + 2
+    for i in range(cycles):
+        kube.kubectl("annotate", "batchingpolicy", "ranker", "-n", ns, "--overwrite", f"batchpilot.dev/pause=a@{i}")
+        record(wait_policy_status(kube, ns, "ranker", lambda s: s.get("paused") is True, "paused", op))
+        kube.kubectl(
+            "annotate", "batchingpolicy", "ranker", "-n", ns, "--overwrite",
+            "batchpilot.dev/pause-", f"batchpilot.dev/resume=a@{i}",
+        )  # fmt: skip
+        record(wait_policy_status(kube, ns, "ranker", lambda s: not s.get("paused"), "resumed", op))
+    st = policy_status(kube, ns, "ranker")
+    record(st)
+    in_status = [e for e in st["ledger"] if e["kind"] != "Analysis"]
+    assert len(seen) > len(in_status) == DECISION_LIMIT, "status no longer holds them all"
+    assert analyses(st) == ANALYSIS_LIMIT
+
+    h = Plugin(kube, ns).json("history", "ranker")
+    assert "archiveError" not in h
+    assert [json.dumps(e, sort_keys=True) for e in h["decisions"]] == seen
+    kinds = [(e["kind"], e["revision"]) for e in h["decisions"]]
+    assert kinds[0][0] == "Initial" and ("CanaryStarted", rev) in kinds
+    assert kinds.count(("Paused", rev)) == kinds.count(("Resumed", rev)) == cycles
+    # The archive is a ConfigMap the policy owns, one key per revision, readable with kubectl.
+    lines = kube.kubectl("get", "configmap", "ranker-ledger", "-n", ns, "-o", f"jsonpath={{.data.{rev}}}").stdout
+    assert json.loads(lines.splitlines()[0])["kind"] == "CanaryStarted"
 
 
 def test_errors_are_one_line(kube: Kube, namespace: str) -> None:

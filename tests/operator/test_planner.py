@@ -36,7 +36,14 @@ from batchpilot_operator.planner import (
     split_replicas,
 )
 from batchpilot_operator.spec import PolicySpec
-from batchpilot_operator.status import LEDGER_LIMIT, Phase, Status
+from batchpilot_operator.status import (
+    ANALYSIS_LIMIT,
+    DECISION_LIMIT,
+    LedgerEntry,
+    Phase,
+    Status,
+    trim_ledger,
+)
 from bptest import make_spec
 
 T0 = datetime(2026, 11, 30, 1, 0, 0, tzinfo=UTC)
@@ -869,14 +876,59 @@ def test_status_patch_clears_stale_fields_when_merged() -> None:
 # --------------------------------------------------------------------------- misc
 
 
-def test_ledger_and_history_are_bounded() -> None:
+def test_ledger_keeps_every_decision_before_analyses() -> None:
+    """Many more analyses than the ledger holds (a long rollout, a slow machine): the analyses
+    are bounded, and every decision of every revision is still there, in order."""
     sim = healthy(make_spec(maxInconclusive=1000))
-    start_canary(sim, at(0), make_spec(batch=16, maxInconclusive=1000))
-    for i in range(1, 60):
-        d = sim.tick(at(30 * i), samples=1)
-    assert len(d.status.ledger) == LEDGER_LIMIT
-    assert d.status.ledger[-1].time == at(30 * 59)
-    assert d.status.ledger[-1].kind == "Analysis" and d.status.ledger[-1].metric == "clientErrors"  # the last objective
+    decisions: list[str] = []  # every decision the planner made, as it made it
+
+    def tick(d: Decision) -> Decision:
+        for e in d.status.ledger:
+            line = e.model_dump_json()
+            if e.kind != "Analysis" and line not in decisions:
+                decisions.append(line)
+        return d
+
+    decisions += [e.model_dump_json() for e in sim.status.ledger if e.kind != "Analysis"]
+    good, bad = make_spec(batch=16, maxInconclusive=1000), make_spec(batch=32, maxInconclusive=1000)
+    tick(start_canary(sim, at(10), good))
+    t, analyses = 10, 0
+    for _ in range(40):  # Inconclusive analyses hold the first step
+        t += 30
+        d = tick(sim.tick(at(t), samples=1))
+        analyses += sum(e.kind == "Analysis" for e in d.status.ledger if e.time == at(t))
+    while sim.status.stable_revision != good.revision():  # now good samples: steps, promotion
+        t += 30
+        tick(sim.tick(at(t)))
+    tick(start_canary(sim, at(t + 10), bad))
+    t += 10
+    for _ in range(40):
+        t += 30
+        tick(sim.tick(at(t), samples=1))
+    while sim.status.phase is not Phase.ROLLED_BACK:
+        t += 30
+        tick(sim.tick(at(t), p99=1.0))
+    ledger = sim.status.ledger
+    assert analyses > 2 * ANALYSIS_LIMIT
+    assert sum(e.kind == "Analysis" for e in ledger) == ANALYSIS_LIMIT
+    assert ledger[-1].kind == "RolledBack"
+    kept = [e.model_dump_json() for e in ledger if e.kind != "Analysis"]
+    assert kept == decisions
+    kinds = [(LedgerEntry.model_validate_json(e).kind, LedgerEntry.model_validate_json(e).revision) for e in kept]
+    assert kinds[0] == ("Initial", make_spec(maxInconclusive=1000).revision())
+    for kind in ("CanaryStarted", "StepAdvanced", "Promoted"):
+        assert (kind, good.revision()) in kinds
+    assert kinds.index(("CanaryStarted", good.revision())) < kinds.index(("Promoted", good.revision()))
+    assert ("CanaryStarted", bad.revision()) in kinds and kinds[-1] == ("RolledBack", bad.revision())
+
+
+def test_decisions_are_bounded_newest_kept() -> None:
+    entries = [LedgerEntry(time=at(i), kind="Paused" if i % 2 else "Analysis", revision="r") for i in range(400)]
+    kept = trim_ledger(entries)
+    assert [e.kind for e in kept].count("Paused") == DECISION_LIMIT
+    assert [e.kind for e in kept].count("Analysis") == ANALYSIS_LIMIT
+    assert kept == sorted(kept, key=lambda e: e.time) and kept[-1] == entries[-1]
+    assert min(e.time for e in kept if e.kind == "Paused") == at(399 - 2 * (DECISION_LIMIT - 1))
 
 
 def test_history_limit_prunes_revision_configmaps() -> None:
@@ -1194,7 +1246,8 @@ def test_random_walks_keep_the_invariants(seed: int) -> None:
             assert st.is_failed(sim.spec.revision()) and d.canary_revision is None
         if st.stable_revision is not None:
             assert d.stable_revision == st.stable_revision
-        assert len(st.ledger) <= LEDGER_LIMIT
+        assert sum(e.kind == "Analysis" for e in st.ledger) <= ANALYSIS_LIMIT
+        assert sum(e.kind != "Analysis" for e in st.ledger) <= DECISION_LIMIT
         promotions += [st.stable_revision or "" for o in d.rollout_outcomes if o == "Promoted"]
         assert all(p in started for p in promotions)
         sim.decisions.append(d)

@@ -1,4 +1,5 @@
-"""What `kubectl batchpilot status|history` shows, built from the policy object alone.
+"""What `kubectl batchpilot status|history` shows, built from the policy object (and, for
+``history``, the policy's ledger ConfigMap: ``ledger.py``).
 
 Pure: no Kubernetes client. :func:`summary` and :func:`history` return JSON-ready dicts
 (the ``-o json|yaml`` output); :func:`status_view` and :func:`history_view` turn them into
@@ -8,7 +9,7 @@ rich renderables for the terminal.
 from __future__ import annotations
 
 import re
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from datetime import datetime
 from typing import Any, get_args
 
@@ -17,6 +18,7 @@ from rich.panel import Panel
 from rich.table import Table
 from rich.text import Text
 
+from batchpilot_operator import ledger
 from batchpilot_operator.analysis import format_value
 from batchpilot_operator.status import LedgerEntry, LedgerKind, Status
 
@@ -39,7 +41,6 @@ OUTCOME_STYLE = {
     "Superseded": "yellow",
 }
 DECISION_KINDS = set(get_args(LedgerKind)) - {"Analysis"}
-ROLLOUT_KINDS = {"CanaryStarted", "Promoted", "RolledBack", "Aborted", "Superseded", "Initial", "Adopted", "Command"}
 
 
 def _ts(value: datetime | None) -> str | None:
@@ -161,19 +162,25 @@ def summary(obj: dict[str, Any], decisions: int = 8) -> dict[str, Any]:
     }
 
 
-def history(obj: dict[str, Any]) -> dict[str, Any]:
-    """Revisions with outcome and evidence, plus the rollout decisions of the ledger."""
+def history(
+    obj: dict[str, Any], archive: Sequence[LedgerEntry] = (), archive_error: str | None = None
+) -> dict[str, Any]:
+    """Revisions with outcome and evidence, plus every decision of the ledger: status's and
+    the older ones the ledger ConfigMap (``archive``) keeps, oldest first."""
     meta = obj.get("metadata", {})
     status = Status.from_dict(obj.get("status"))
-    return {
+    data = {
         "name": meta.get("name"),
         "namespace": meta.get("namespace"),
         "stableRevision": status.stable_revision,
         "canaryRevision": status.canary_revision,
         "revisions": [h.model_dump(mode="json", by_alias=True) for h in status.history],
         "failedRevisions": [f.model_dump(mode="json", by_alias=True) for f in status.failed_revisions],
-        "decisions": [_entry(e) for e in status.ledger if e.kind in ROLLOUT_KINDS],
+        "decisions": [_entry(e) for e in ledger.merged(archive, status.ledger)],
     }
+    if archive_error is not None:
+        data["archiveError"] = archive_error
+    return data
 
 
 # --------------------------------------------------------------------------- rich
@@ -338,4 +345,6 @@ def history_view(h: dict[str, Any]) -> RenderableType:
         parts.append(f)
     if h["decisions"]:
         parts.append(_decisions_table("Rollout decisions (ledger)", h["decisions"]))
+    if h.get("archiveError"):
+        parts.append(Text(f"older decisions not shown: {h['archiveError']}", style="yellow"))
     return Group(*parts)
