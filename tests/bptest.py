@@ -190,6 +190,28 @@ def policy_status(kube: Kube, namespace: str, name: str) -> dict[str, Any]:
     return ((kube.get("batchingpolicy", name, namespace) or {}).get("status")) or {}
 
 
+class LedgerSeen:
+    """Every ledger entry any read of a policy's status showed, in the order first seen.
+
+    ``status.ledger`` keeps only the newest analysis entries (``status.trim_ledger``): a canary
+    analysed more times than usual before it is decided (a slow machine's Inconclusive windows)
+    pushes its early analyses out before the test reads the decided status. A test that records
+    every status it polls while the rollout runs misses none: a poll comes every second or so,
+    and the ledger holds many analyses' entries."""
+
+    def __init__(self) -> None:
+        self._seen: dict[str, dict[str, Any]] = {}
+
+    def record(self, status: dict[str, Any]) -> dict[str, Any]:
+        for entry in status.get("ledger") or []:
+            self._seen.setdefault(json.dumps(entry, sort_keys=True), entry)
+        return status
+
+    def entries(self, **match: Any) -> list[dict[str, Any]]:
+        """The entries whose fields equal ``match`` (e.g. ``revision=rev, outcome="Failed"``)."""
+        return [e for e in self._seen.values() if all(e.get(k) == v for k, v in match.items())]
+
+
 def wait_policy_status(
     kube: Kube, namespace: str, name: str, pred: Any, what: str, op: OperatorProcess, timeout: float = 90
 ) -> dict[str, Any]:

@@ -81,8 +81,8 @@ def test_prometheus_slow_then_resetting(deps: Stage, drill: Drill) -> None:
     during = s.reconcile_latency("other", 1)
     hold_without_promotion(s, stable, canary, 12, "the latency toxic")  # two 6 s step pauses
 
+    s.toxi.reset_peer("prometheus")  # before the latency goes: no moment without a fault
     s.toxi.remove_toxic("prometheus", "latency")
-    s.toxi.reset_peer("prometheus")
     errors1 = errors(s)
     s.kube.wait_for(lambda: errors(s) >= errors1 + 2, 60, "Error analyses while connections are reset")
     hold_without_promotion(s, stable, canary, 12, "the reset toxic")

@@ -162,6 +162,7 @@ def test_report_queries_on_a_real_runtime_and_prometheus(tmp_path: Path, prometh
             time.sleep(0.1)
         labels = {"namespace": "demo", "policy": "demo-embedder", "revision": "aaa", "track": "stable"}
         prom = prometheus_factory([ScrapeTarget(f"127.0.0.1:{port}", labels)])
+        prom.wait_for_targets_up(1)  # scraped before the load, however long Prometheus took to start
         started = time.time()
         body = json.dumps({"inputs": [{"name": "input", "datatype": "FP32", "shape": [1, 512], "data": [0.5] * 512}]})
 

@@ -395,6 +395,7 @@ def test_weights_header_and_rollback_through_contour_and_envoy(scenario: Scenari
             header_on = time.monotonic()  # Envoy has the step's config, our header rule with it
         with header_stream.busy:
             before = requests_by_track(s.harness)
+            burst_started = time.monotonic()
             answers = burst(s.gw.url, burst_size(weight), concurrency=12)
             after = requests_by_track(s.harness)
         assert (s.gw.envoy_weights("shop") or {}).get("canary") == weight, "the step moved during the burst"
@@ -418,9 +419,11 @@ def test_weights_header_and_rollback_through_contour_and_envoy(scenario: Scenari
         if weight == 10:
             # The fairness check's own query, on the real Prometheus: one canary pod at 10%
             # gets far less per pod than each of the two stable pods (45% each), underfed
-            # against the default minCanaryLoadRatio of 0.5.
+            # against the default minCanaryLoadRatio of 0.5. The rates' window holds the whole
+            # burst until the wait below (60 s) gives up, however long the burst took here.
+            span = max(120, math.ceil(time.monotonic() - burst_started) + 70)
             queries = {
-                track: per_pod_rate_query(namespace=s.namespace, policy="shop", track=track, revision=rev, window=120)
+                track: per_pod_rate_query(namespace=s.namespace, policy="shop", track=track, revision=rev, window=span)
                 for track, rev in (("canary", canary), ("stable", first))
             }
             pods = {"canary": st["canaryReplicas"], "stable": st["stableReplicas"]}
@@ -432,13 +435,14 @@ def test_weights_header_and_rollback_through_contour_and_envoy(scenario: Scenari
                 pods: dict[str, int] = pods,
                 counted: dict[str, int] = counted,
                 last_rates: dict[str, float | None] = last_rates,
+                span: int = span,
             ) -> dict[str, float | None] | None:
                 # Wait until Prometheus has the whole burst on both tracks: a busy runtime's
                 # scrapes can miss their 1 s timeout during it, and a rate read before the next
                 # good scrape holds only part of the burst (0.1 req/s on the canary in one run).
                 got = {t: PrometheusBackend(s.prometheus_url).measure([v])[v].value for t, v in q.items()}
                 last_rates.update(got)
-                seen = all((got[t] or 0.0) * 120 * pods[t] >= 0.8 * counted[t] for t in ("canary", "stable"))
+                seen = all((got[t] or 0.0) * span * pods[t] >= 0.8 * counted[t] for t in ("canary", "stable"))
                 return got if seen else None
 
             try:
@@ -499,6 +503,12 @@ def test_weights_header_and_rollback_through_contour_and_envoy(scenario: Scenari
     route_watch = Watch(s.kube, "httproute", "shop", "-n", s.namespace)
     deploy_watch = Watch(s.kube, "deployments", "-n", s.namespace, "-l", "batchpilot.dev/track=canary")
     try:
+        # Paused before it starts: no analysis runs until the header check below is done, so the
+        # bad canary cannot be rolled back before it, however long the waits for it take.
+        s.kube.kubectl(
+            "annotate", "batchingpolicy", "shop", "-n", s.namespace, "batchpilot.dev/pause=e2e", "--overwrite"
+        )
+        s.wait(lambda st: st.get("paused") is True, 60, "the policy paused")
         s.kube.apply(with_window("110ms", max_batch_size=64), "-n", s.namespace)
         bad = s.wait(lambda st: st.get("canaryRevision") not in (None, canary), 60, "the bad canary")["canaryRevision"]
         s.wait(lambda st: st.get("canaryWeight") == 10, 120, "the bad canary at 10%")
@@ -510,6 +520,7 @@ def test_weights_header_and_rollback_through_contour_and_envoy(scenario: Scenari
         s.envoy_at(10)
         tenant = burst(s.gw.url, 20, headers=TENANT, concurrency=4)
         assert tenant == Counter({bad: 20}), tenant
+        s.kube.kubectl("annotate", "batchingpolicy", "shop", "-n", s.namespace, "batchpilot.dev/pause-")
         rolled = s.wait(lambda st: st.get("phase") == "RolledBack", 180, "automatic rollback")
         assert rolled["stableRevision"] == canary
         s.kube.wait_for(

@@ -59,7 +59,7 @@ from batchpilot_operator.localdev.prometheus import PrometheusServer
 from batchpilot_operator.prom import PrometheusBackend
 from batchpilot_operator.spec import parse_spec
 from batchpilot_operator.tune.trace import load_trace
-from bptest import REPO, TINY_MODEL, Kube, OperatorProcess, Plugin, start_operator
+from bptest import REPO, TINY_MODEL, Kube, LedgerSeen, OperatorProcess, Plugin, start_operator
 
 pytestmark = [pytest.mark.cluster, pytest.mark.prometheus, pytest.mark.slow]
 
@@ -120,10 +120,13 @@ def poisson(rate: float, seconds: float, seed: int) -> list[float]:
 class Scenario:
     def __init__(self, kube: Kube, namespace: str, prom: PrometheusServer, op: OperatorProcess, h: RuntimeHarness):
         self.kube, self.namespace, self.prom, self.op, self.harness = kube, namespace, prom, op, h
+        self.ledger = LedgerSeen()
+        """Every ledger entry the polls below saw: a canary's analyses over its whole life (status
+        keeps the newest only; one analysis every 30 s adds at most a dozen)."""
 
     def status(self) -> dict[str, Any]:
         obj = self.kube.get("batchingpolicy", "mall", self.namespace) or {}
-        return obj.get("status") or {}
+        return self.ledger.record(obj.get("status") or {})
 
     def wait(self, predicate: Any, timeout: float, what: str) -> dict[str, Any]:
         def check() -> Any:
@@ -218,7 +221,7 @@ def test_canary_breaking_one_tenant_is_rolled_back_on_its_slice(scenario: Scenar
 
     # (a) maxBatchSize below the bulk tenant's 12 rows: its requests are rejected by the canary.
     rejecting, rolled = s.roll(changed(maxBatchSize=8), stable)
-    failed = [e for e in rolled["ledger"] if e.get("revision") == rejecting and e.get("outcome") == "Failed"]
+    failed = s.ledger.entries(revision=rejecting, outcome="Failed")
     by_bulk = [e for e in failed if e.get("tenant") == "bulk" and e["metric"] == "clientErrors"]
     assert by_bulk, json.dumps(failed, indent=1)
     for e in by_bulk:
@@ -278,7 +281,7 @@ def test_canary_breaking_one_tenant_is_rolled_back_on_its_slice(scenario: Scenar
 
     # (b) a 150 ms window: chat's rows wait for it between bulk bursts, bulk's fill batches alone.
     slow, rolled = s.roll(changed(maxQueueDelay="150ms"), stable)
-    entries = [e for e in rolled["ledger"] if e.get("revision") == slow and e.get("kind") == "Analysis"]
+    entries = s.ledger.entries(revision=slow, kind="Analysis")
     sys.stderr.write("\n[e2e] slow window analyses:\n" + "\n".join(f"{e['time']} {e['evidence']}" for e in entries))
     chat_failed = [e for e in entries if e.get("tenant") == "chat" and e["outcome"] == "Failed"]
     assert chat_failed and {e["metric"] for e in chat_failed} <= {"p99Latency", "queueAge"}, entries

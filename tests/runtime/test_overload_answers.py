@@ -16,7 +16,8 @@ from bp_rt_harness import Server, await_for, body, infer, lane
 
 @pytest.fixture
 def server(tmp_path: Path) -> Iterator[Server]:
-    srv = Server(tmp_path, [lane("short", 1, "1ms", 1, "1s"), lane("other", 1, "1ms", 10, "20s")])
+    lanes = [lane("short", 1, "1ms", 1, "1s"), lane("full", 1, "1ms", 1, "20s"), lane("other", 1, "1ms", 10, "20s")]
+    srv = Server(tmp_path, lanes)
     yield srv
     srv.stop()
 
@@ -36,12 +37,13 @@ async def test_running_request_is_answered_504_at_its_deadline(server: Server) -
         server_ms = float(doc["_headers"]["Server-Timing"].removeprefix("total;dur="))
         assert 1000 <= server_ms < 1500, server_ms
         assert 0.9 <= took < 3.0, took  # at the 1 s deadline, not when the gate opens (60 s)
-        # Meanwhile the full lane sheds with a Retry-After in whole seconds.
-        blocked = asyncio.create_task(infer(session, server, body([6]), lane_header="short"))
+        # Meanwhile a full lane sheds with a Retry-After in whole seconds. (A lane whose one queued
+        # request outlives the test's own steps: a 1 s timeout could free the slot first.)
+        blocked = asyncio.create_task(infer(session, server, body([6]), lane_header="full"))
         await await_for(
-            lambda: server.metric("batchpilot_queue_depth", lane="short") >= 1 or blocked.done(), what="queued"
+            lambda: server.metric("batchpilot_queue_depth", lane="full") >= 1 or blocked.done(), what="queued"
         )
-        status, doc = await infer(session, server, body([7]), lane_header="short")
+        status, doc = await infer(session, server, body([7]), lane_header="full")
         assert status == 429 and "queue is full" in doc["error"]
         assert int(doc["_headers"]["Retry-After"]) >= 1
         server.open_gate()
