@@ -35,7 +35,7 @@ from batchpilot_operator.localdev.harness import RuntimeHarness
 from batchpilot_operator.localdev.load import TraceReplay
 from batchpilot_operator.localdev.prometheus import PrometheusServer, start_prometheus
 from batchpilot_operator.tune.trace import load_trace
-from bptest import CRD, REPO, TINY_CANARY_POLICY, Kube, OperatorProcess, start_operator
+from bptest import CRD, REPO, TINY_CANARY_POLICY, Kube, LedgerSeen, OperatorProcess, start_operator
 
 TRACE = REPO.parent / "shared" / "traces" / "azure-llm-2023-code.csv"
 NAMESPACE = "drill"
@@ -139,6 +139,8 @@ class DrillStack:
         self.harness: RuntimeHarness | None = None
         self.replay: TraceReplay | None = None
         self.audit: ConfigMapAudit | None = None
+        self.ledger = LedgerSeen()
+        """Every ledger entry a read of the status showed (status keeps the newest analyses only)."""
 
     # ---- lifecycle -----------------------------------------------------------------------
     @classmethod
@@ -215,7 +217,7 @@ class DrillStack:
                 return {}
             raise
         status: dict[str, Any] = obj.get("status") or {}
-        return status
+        return self.ledger.record(status)
 
     def wait(self, predicate: Callable[[dict[str, Any]], Any], timeout: float, what: str) -> dict[str, Any]:
         def check() -> Any:

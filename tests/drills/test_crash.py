@@ -102,7 +102,7 @@ def test_operator_crash_at_every_rollout_transition(tmp_path: Path, drill: Drill
         assert kinds.count(("StepAdvanced", good_rev)) == 1
         rollback = next(e for e in ledger if e["kind"] == "RolledBack")
         assert rollback["reason"] == "AnalysisFailed", rollback
-        failed_analyses = {e["time"] for e in ledger if e.get("revision") == bad_rev and e.get("outcome") == "Failed"}
+        failed_analyses = {e["time"] for e in s.ledger.entries(revision=bad_rev, outcome="Failed")}
         assert len(failed_analyses) == 2, f"failure count kept across the crash: {sorted(failed_analyses)}"
         assert s.audit.checks > 100 and not s.audit.violations, s.audit.violations
         # The Deployments match the status: stable runs the good revision, nothing else runs.
