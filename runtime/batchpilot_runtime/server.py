@@ -30,7 +30,7 @@ import orjson
 from aiohttp import web
 
 from batchpilot_runtime import __version__, admin
-from batchpilot_runtime.batcher import Batch, BatchWorker, Pending, QueueFull, State
+from batchpilot_runtime.batcher import BatchWorker
 from batchpilot_runtime.capture import WARMUP_PASSES, Capture, capture_bounds_from_env
 from batchpilot_runtime.config import RuntimeConfig, load_config
 from batchpilot_runtime.metrics import CONTENT_TYPE, UNKNOWN_LANE, Metrics
@@ -42,6 +42,7 @@ from batchpilot_runtime.protocol import (
     error_body,
     parse_infer,
 )
+from batchpilot_runtime.scheduler import Batch, Pending, QueueFull, State
 from batchpilot_runtime.shedding import RetryAfter
 
 log = logging.getLogger("batchpilot.runtime")

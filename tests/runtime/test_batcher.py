@@ -9,8 +9,9 @@ from typing import Any
 import numpy as np
 import pytest
 
-from batchpilot_runtime.batcher import Batch, BatchWorker, Pending, QueueFull, Scheduler, State
+from batchpilot_runtime.batcher import BatchWorker
 from batchpilot_runtime.config import LaneConfig
+from batchpilot_runtime.scheduler import Batch, Pending, QueueFull, Scheduler, State
 
 
 def cfg(name: str, max_batch: int = 4, delay: float = 0.01, queue: int = 100, timeout: float = 100.0,

@@ -15,7 +15,6 @@ import pytest
 from bp_rt_harness import Server, body, infer, lane, wait_for
 
 from batchpilot_operator.tune.profile import LatencyProfile
-from batchpilot_runtime.batcher import Pending, cut_delay
 from batchpilot_runtime.capture import (
     SLOT_BYTES,
     ArrivalRing,
@@ -24,6 +23,7 @@ from batchpilot_runtime.capture import (
     capture_bounds_from_env,
 )
 from batchpilot_runtime.config import LaneConfig, RuntimeConfig
+from batchpilot_runtime.scheduler import Pending, cut_delay
 
 # ----------------------------------------------------------------------------- the ring
 
