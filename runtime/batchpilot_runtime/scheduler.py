@@ -1,9 +1,10 @@
 """The batching rule: per-lane queues, admission, lane choice and batch forming.
 
 :class:`Scheduler` is pure bookkeeping with an injected ``now``: it holds no lock, starts no
-thread and imports no numpy, so the same code can decide batches in the runtime (driven by
+thread and imports no numpy, so the same code decides batches in the runtime (driven by
 :class:`batchpilot_runtime.batcher.BatchWorker` on the wall clock) and in the tuner's
-simulator (on a simulated clock).
+simulator (``batchpilot_operator.tune.simulator``, driven on a simulated clock): one rule,
+not copies of it.
 
 Dispatch rule (per lane): a lane is *ready* when its queued rows reach ``max_batch_size``
 (full) or its oldest live request has waited ``max_queue_delay`` (window), or when the server
@@ -159,6 +160,24 @@ class Scheduler:
             return True
         head = lane.head()
         return head is not None and now - head.arrival >= lane.cfg.max_queue_delay
+
+    def ready_at(self, lane: LaneQueue) -> float | None:
+        """When ``lane`` is ready by the dispatch rule with the requests it holds now (None:
+        empty): its oldest live request's window end, or the arrival of the request that
+        brought its rows to ``max_batch_size``, whichever is first. A lane is ready at ``now``
+        (:meth:`select`) exactly when this is at or before it."""
+        head = lane.head()
+        if head is None:
+            return None
+        due = head.arrival + lane.cfg.max_queue_delay
+        if lane.live_rows >= lane.cfg.max_batch_size:
+            rows = 0
+            for req in lane.queue:
+                if req.state is State.QUEUED:
+                    rows += req.rows
+                    if rows >= lane.cfg.max_batch_size:
+                        return min(due, req.arrival)
+        return due
 
     def select(self, now: float, flush: bool = False) -> tuple[LaneQueue | None, float | None]:
         """The lane to dispatch now, or ``(None, wake_at)``: when the next window expires (None: idle)."""

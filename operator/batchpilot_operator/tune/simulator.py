@@ -17,12 +17,14 @@ The model of one replica (one runtime pod, one model executor), mirroring the ru
   ``dispatch - arrival`` (the runtime's ``batchpilot_queue_age_seconds``; a timed-out row
   observes its timeout).
 
-This is ``batchpilot_runtime.batcher`` (Scheduler + BatchWorker) for one lane with one row
-per request: ready when ``live_rows >= max_batch_size`` or ``now - head.arrival >=
-max_queue_delay``; admission rejects at ``live_count >= max_queue_length``; the worker cuts
-the next batch the moment the model returns. Not modelled: other lanes sharing the executor
-(priorities), multi-row requests, and CPU contention between HTTP handling and the model
-(``request_overhead`` adds a constant instead).
+The rule is the runtime's own: the exact engine drives ``batchpilot_runtime.scheduler.Scheduler``
+(the class the runtime's ``BatchWorker`` cuts every batch with) on a simulated clock, cutting
+the next batch at ``max(ready, executor free)`` as the worker does; the fast engine and
+:func:`meets_slo` re-derive the same rule for speed, and
+``tests/operator/test_batching_conformance.py`` holds all of them to the same batches (sizes
+and instants, in order) on both real traces, Poisson and on/off arrivals. Not modelled: other
+lanes sharing the executor (priorities), multi-row requests, and CPU contention between HTTP
+handling and the model (``request_overhead`` adds a constant instead).
 
 Replicas sit behind one Service and share the arrivals: each request goes to one replica,
 chosen at random with a fixed seed (``split="random"``, what kube-proxy's iptables mode does
@@ -32,8 +34,8 @@ only, so the same request goes to the same replica at every rate scale (common r
 numbers: comparisons between settings and rates are not blurred by split noise).
 
 Two engines give identical answers where both apply (tests hold them to it):
-:func:`simulate_exact` steps through every arrival with a deque and handles drops and
-timeouts; :func:`_fast_replica` walks batch by batch with binary searches over the sorted
+:func:`simulate_exact` steps through every arrival with the runtime's Scheduler and handles
+drops and timeouts; :func:`_fast_replica` walks batch by batch with binary searches over the sorted
 arrival times (O(batches x log B)), and hands over to the exact engine the moment the run
 would drop or time out a request. :func:`meets_slo` uses the fast engine with early exit:
 it stops as soon as more requests missed a target than the p99 allows.
@@ -51,6 +53,9 @@ from collections import deque
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Literal
+
+from batchpilot_runtime.config import LaneConfig
+from batchpilot_runtime.scheduler import Pending, QueueFull, Scheduler, State
 
 Split = Literal["random", "round-robin"]
 
@@ -216,60 +221,74 @@ def _exact_replica(
     *,
     delay: float = 0.0,
 ) -> float:
-    """Event-by-event engine for one replica. Returns the replica's last event time.
-    With ``records``, every request's fate is appended to it as well."""
-    B, W, L, TO = s.max_batch_size, s.max_queue_delay, s.max_queue_length, s.request_timeout
-    queue: deque[float] = deque()
+    """Event-by-event engine for one replica: the runtime's own :class:`Scheduler` (admission,
+    readiness, batch forming, timeouts at the cut) on a simulated clock, stepped the way its
+    ``BatchWorker`` steps it: the next batch is cut at ``max(ready, model free) + delay``,
+    after every arrival up to that instant. Returns the replica's last event time. With
+    ``records``, every request's fate is appended to it as well."""
+    TO = s.request_timeout
+    sched = Scheduler([_lane_config(s)])
+    lane = sched.lanes[0]
+    timers: deque[Pending] = deque()  # admitted requests in arrival order: their timeouts fire in it
     free = -math.inf
     nxt = 0
     n = len(arr)
     last = arr[-1] if n else 0.0
 
-    def expire(now: float) -> None:
-        # FIFO with one timeout: the rows that expire first are at the head.
-        while queue and queue[0] + TO <= now:
-            a = queue.popleft()
-            out.timeouts += 1
-            out.queue_waits.append(TO)
-            if records is not None:
-                records.append(RequestRecord(a, "timed_out", TO + overhead, TO))
+    def timed_out(p: Pending) -> None:
+        out.timeouts += 1
+        out.queue_waits.append(TO)
+        if records is not None:
+            records.append(RequestRecord(p.arrival, "timed_out", TO + overhead, TO))
 
-    while nxt < n or queue:
-        if not queue:
-            queue.append(arr[nxt])
-            nxt += 1
-            continue
-        # When would the head's batch go, given what has arrived so far?
-        due = queue[0] + W
-        if len(queue) >= B:
-            due = min(due, queue[B - 1])
-        t = max(due, free) + delay
-        expiry = queue[0] + TO
+    def fire_timers(at: float) -> None:
+        # The runtime's per-request timer: a request still queued at arrival + timeout leaves.
+        while timers and (timers[0].state is not State.QUEUED or timers[0].arrival + TO <= at):
+            p = timers.popleft()
+            if sched.withdraw(p, State.TIMED_OUT):
+                timed_out(p)
+
+    while nxt < n or lane.live_count:
+        ready = sched.ready_at(lane)
+        head = lane.head()
+        if ready is None or head is None:
+            t = expiry = math.inf
+        else:
+            t = max(ready, free) + delay
+            expiry = head.arrival + TO
         if nxt < n and arr[nxt] <= t and arr[nxt] < expiry:
-            # An arrival comes first (or at the dispatch instant): admit or reject it.
+            # An arrival comes first (or at the cut's instant): admitted, or refused when full.
             x = arr[nxt]
             nxt += 1
-            expire(x)
-            if len(queue) >= L:
+            fire_timers(x)
+            p = Pending(None, 0, x, rows=1)
+            try:
+                sched.admit(p)
+            except QueueFull:
                 out.dropped += 1
                 if records is not None:
                     records.append(RequestRecord(x, "rejected_full", None, None))
-            else:
-                queue.append(x)
+                continue
+            timers.append(p)
             continue
         if expiry <= t:
-            expire(expiry)  # the head's timer fires before its batch could go (pops at least it)
+            fire_timers(expiry)  # the head's timer fires before its batch could go (takes at least it)
             continue
-        # Dispatch at t: the oldest rows, at most B.
-        size = min(B, len(queue))
-        members = [queue.popleft() for _ in range(size)]
+        # The cut at t: the scheduler's batch (the oldest rows, at most max_batch_size).
+        members, expired = sched.take(lane, t)
+        for p in expired:
+            timed_out(p)
+        if not members:
+            continue
+        size = len(members)
         e = ex[size] if scale is None else ex[size] * scale[len(out.batch_sizes) % len(scale)]
         done = t + e
         out.batch_sizes.append(size)
-        out.oldest_ages.append(t - members[0])
+        out.oldest_ages.append(t - members[0].arrival)
         out.exec_times.append(e)
         out.busy += e
-        for a in members:
+        for p in members:
+            a = p.arrival
             out.queue_waits.append(t - a)
             out.latencies.append(done - a + overhead)
             if records is not None:
@@ -277,6 +296,19 @@ def _exact_replica(
         free = done
         last = max(last, done)
     return last
+
+
+def _lane_config(s: LaneSettings) -> LaneConfig:
+    """The runtime's lane config for the simulated lane (built unvalidated: a simulation may
+    explore settings the CRD would refuse, an infinite timeout among them)."""
+    return LaneConfig.model_construct(
+        name="simulated",
+        max_batch_size=s.max_batch_size,
+        max_queue_delay=s.max_queue_delay,
+        max_queue_length=s.max_queue_length,
+        request_timeout=s.request_timeout,
+        priority=0,
+    )
 
 
 def _fast_replica(
