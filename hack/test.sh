@@ -8,4 +8,4 @@ export PATH="$PWD/.venv/bin:$PATH"
 echo ">> ruff"; ruff check . && ruff format --check .
 echo ">> mypy --strict"; mypy
 echo ">> import-linter"; lint-imports
-echo ">> pytest"; exec pytest "$@"
+echo ">> pytest"; exec pytest --durations=20 "$@"
