@@ -100,7 +100,9 @@ def build_configmap(policy: str, namespace: str, uid: str, spec: PolicySpec, rev
     )
 
 
-def build_ledger_configmap(policy: str, namespace: str, uid: str, name: str, data: dict[str, str]) -> Manifest:
+def build_ledger_configmap(
+    policy: str, namespace: str, uid: str, name: str, data: dict[str, str], annotations: dict[str, str]
+) -> Manifest:
     """The policy's decision archive (``ledger.py``): no revision label, so no revision's
     ConfigMap clean-up ever takes it."""
     return _stamp(
@@ -111,6 +113,7 @@ def build_ledger_configmap(policy: str, namespace: str, uid: str, name: str, dat
                 "name": name,
                 "namespace": namespace,
                 "labels": {**common_labels(policy), LABEL_COMPONENT: "ledger"},
+                "annotations": dict(annotations),
                 "ownerReferences": [owner_reference(policy, uid)],
             },
             "data": data,

@@ -329,13 +329,16 @@ def archive_decisions(kube: Kube, reader: ChildReader, body: dict[str, Any], sta
     name, namespace = meta["name"], meta["namespace"]
     cm_name = ledger.archive_name(name)
     current = reader.get("v1", "ConfigMap", namespace, cm_name)
+    if ledger.up_to_date(current, status.ledger):  # the common case: no parse of the archive
+        return 0
     archive = ledger.archived(current)
     entries = ledger.merged(archive, status.ledger)
     if len(entries) == len(archive):
         return 0
     keep = (status.stable_revision, status.canary_revision, status.desired_revision)
+    last = {ledger.LAST_ANNOTATION: ledger.digest(entries[-1])}
     manifest = children.build_ledger_configmap(
-        name, namespace, meta["uid"], cm_name, ledger.archive_data(entries, keep)
+        name, namespace, meta["uid"], cm_name, ledger.archive_data(entries, keep), last
     )
     return int(kube.apply(manifest, current))
 

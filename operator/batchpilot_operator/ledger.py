@@ -18,6 +18,7 @@ canary, desired). Pure: no Kubernetes client; the controller reads and writes it
 
 from __future__ import annotations
 
+import hashlib
 import json
 from collections.abc import Iterable, Sequence
 
@@ -41,6 +42,25 @@ def is_decision(entry: LedgerEntry) -> bool:
 
 def _line(entry: LedgerEntry) -> str:
     return json.dumps(entry.model_dump(mode="json", by_alias=True, exclude_none=True), sort_keys=True)
+
+
+LAST_ANNOTATION = "batchpilot.dev/last-decision"
+"""On the archive: a digest of the newest decision it holds, so a reconcile whose status holds
+no newer one skips parsing the archive (:func:`up_to_date`)."""
+
+
+def digest(entry: LedgerEntry) -> str:
+    return hashlib.sha256(_line(entry).encode()).hexdigest()[:16]
+
+
+def up_to_date(configmap: Manifest | None, ledger: Sequence[LedgerEntry]) -> bool:
+    """Whether the archive already ends with the status ledger's newest decision (then it holds
+    every decision of status: each was appended before a newer one was)."""
+    newest = next((e for e in reversed(ledger) if is_decision(e)), None)
+    if newest is None:
+        return True
+    annotations = ((configmap or {}).get("metadata") or {}).get("annotations") or {}
+    return bool(annotations.get(LAST_ANNOTATION) == digest(newest))
 
 
 def archived(configmap: Manifest | None) -> list[LedgerEntry]:

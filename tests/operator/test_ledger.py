@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from datetime import UTC, datetime, timedelta
+from typing import Any
 
 from batchpilot_operator import ledger
 from batchpilot_operator.children import LABEL_COMPONENT, LABEL_REVISION, build_ledger_configmap
@@ -15,17 +16,21 @@ def entry(i: int, kind: LedgerKind = "StepAdvanced", revision: str = "aaaa") -> 
     return LedgerEntry(time=T0 + timedelta(seconds=i), kind=kind, revision=revision, reason=f"r{i}")
 
 
-def as_configmap(entries: list[LedgerEntry], keep: tuple[str, ...] = ()) -> dict[str, object]:
-    return build_ledger_configmap("p", "ns", "uid", ledger.archive_name("p"), ledger.archive_data(entries, keep))
+def as_configmap(entries: list[LedgerEntry], keep: tuple[str, ...] = ()) -> dict[str, Any]:
+    last = {ledger.LAST_ANNOTATION: ledger.digest(entries[-1])} if entries else {}
+    return build_ledger_configmap("p", "ns", "uid", ledger.archive_name("p"), ledger.archive_data(entries, keep), last)
 
 
 def test_decisions_are_appended_once_and_analyses_never() -> None:
     status_ledger = [entry(0, "CanaryStarted"), entry(1, "Analysis"), entry(2)]
     first = ledger.merged([], status_ledger)
     assert [e.kind for e in first] == ["CanaryStarted", "StepAdvanced"]
-    archive = ledger.archived(as_configmap(first))
+    cm = as_configmap(first)
+    archive = ledger.archived(cm)
     assert archive == first
+    assert ledger.up_to_date(cm, status_ledger) and not ledger.up_to_date(None, status_ledger)
     assert ledger.merged(archive, status_ledger) == first  # nothing new: the controller writes nothing
+    assert not ledger.up_to_date(cm, [*status_ledger, entry(3, "Promoted")])
     later = ledger.merged(archive, [*status_ledger[1:], entry(3, "Promoted")])  # status dropped the oldest
     assert [e.kind for e in later] == ["CanaryStarted", "StepAdvanced", "Promoted"]
 
@@ -34,12 +39,12 @@ def test_one_key_per_revision_oldest_first_and_no_revision_label() -> None:
     entries = [entry(0, "CanaryStarted", "aaaa"), entry(1, "CanaryStarted", "bbbb"), entry(2, "Promoted", "aaaa")]
     cm = as_configmap(entries)
     data = cm["data"]
-    assert isinstance(data, dict) and set(data) == {"aaaa", "bbbb"}
+    assert set(data) == {"aaaa", "bbbb"}
     assert [LedgerEntry.model_validate_json(line).kind for line in data["aaaa"].splitlines()] == [
         "CanaryStarted",
         "Promoted",
     ]
-    labels = cm["metadata"]["labels"]  # type: ignore[index]
+    labels = cm["metadata"]["labels"]
     assert LABEL_REVISION not in labels and labels[LABEL_COMPONENT] == "ledger"
     assert ledger.archived(cm) == entries
 
