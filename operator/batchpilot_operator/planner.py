@@ -116,6 +116,11 @@ RESUME_ANNOTATION = ANNOTATION_PREFIX + "resume"
 
 POLL_SECONDS = 5.0
 """Requeue while waiting for pods (first rollout, canary step, promotion finishing)."""
+ROUTE_DRAIN_SECONDS = 10.0
+"""A routed canary (``trafficRouting``) that is leaving keeps its pods this long after the
+HTTPRoute is read sending it nothing: the gateway's data plane applies a route some time after
+the apiserver holds it (Contour, then Envoy), and requests it already sent must finish. Argo
+Rollouts waits likewise before scaling a canary down (``scaleDownDelaySeconds``)."""
 CANARY_READY_DEADLINE = 600.0
 """The default of ``spec.rollout.progressDeadline`` (Argo Rollouts' progressDeadlineSeconds)."""
 
@@ -828,14 +833,17 @@ class _Planner:
             ):
                 finishing = True
                 canary_rev, canary_replicas = oc.revision, oc.replicas
-            elif routed and oc is not None and oc.replicas > 0 and route_canary > 0:
-                # Rolled back, aborted or dropped: the canary keeps its pods until the route is
-                # seen at weight 0 (written by this decision), so no request finds it gone.
+            elif routed and oc is not None and oc.replicas > 0 and (route_canary > 0 or not self.route_drained()):
+                # Rolled back, aborted, dropped or promoted: the canary keeps its pods until the
+                # route is seen at weight 0 (written by this decision), and then until the data
+                # plane has had ROUTE_DRAIN_SECONDS to follow, so no request finds it gone.
                 draining = True
                 canary_rev, canary_replicas = oc.revision, oc.replicas
             st.current_step_index = None
             st.step_count = None
             st.step_weight = None
+        if not draining or route_canary > 0:
+            st.canary_drained_at = None
         st.canary_revision = canary_rev
         st.stable_replicas = stable_replicas
         st.canary_replicas = canary_replicas
@@ -1023,6 +1031,13 @@ class _Planner:
                 observed_generation=generation,
             )
         )
+
+    def route_drained(self) -> bool:
+        """Whether the route has sent the leaving canary nothing for ROUTE_DRAIN_SECONDS (the
+        clock starts at the first reconcile that reads it so)."""
+        if self.st.canary_drained_at is None:
+            self.st.canary_drained_at = self.now
+        return self.seconds_since(self.st.canary_drained_at) >= ROUTE_DRAIN_SECONDS
 
     def requeue(self, phase: Phase, finishing: bool, stable_ready: int) -> float | None:
         r = self.st.rollout

@@ -270,6 +270,11 @@ class Status(_Model):
     canary_replicas: int = Field(default=0, alias="canaryReplicas")
     paused: bool = False
     rollout: RolloutState | None = None
+    canary_drained_at: datetime | None = Field(
+        default=None,
+        alias="canaryDrainedAt",
+        description="a routed canary leaving: when the route was first read sending it nothing",
+    )
     failed_revisions: list[FailedRevision] = Field(default_factory=list, alias="failedRevisions")
     handled_commands: dict[str, str] = Field(default_factory=dict, alias="handledCommands")
     conditions: list[Condition] = Field(default_factory=list)

@@ -15,8 +15,8 @@ the step's weight exactly. Three functions decide it; ``controller`` carries the
   observed Deployments and route. The order never drops a request: a weight moves to the
   canary only once the canary's pods of that step are ready (until then it keeps the weight
   it had, or 0 for a new revision); a rollback, abort or supersede sets it to 0 at once, and
-  the canary Deployment goes only when the route is *observed* at 0 (``planner``'s
-  ``route_canary_weight``); a promotion keeps the last weight on the canary (which runs the
+  the canary Deployment goes only when the route is *observed* at 0, and then only after
+  ``planner.ROUTE_DRAIN_SECONDS`` more (the data plane follows the route a moment later); a promotion keeps the last weight on the canary (which runs the
   new revision), and the header rule with it, until the stable runs it with every pod ready,
   then moves 100% to the stable and drops the header rule in one write, and the canary goes
   once the route shows neither.

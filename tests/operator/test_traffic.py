@@ -30,6 +30,7 @@ from batchpilot_operator.analysis import (
 )
 from batchpilot_operator.fairness import downgrade, per_pod_rate_query, underfed
 from batchpilot_operator.planner import (
+    ROUTE_DRAIN_SECONDS,
     Decision,
     Observed,
     PlanInputs,
@@ -142,6 +143,8 @@ class World:
         self.route: RouteObserved | None = RouteObserved(100, 0, False)
         self.t = 0.0
         self.decisions: list[tuple[Observed, Decision]] = []
+        self.route_idle_since: float | None = None
+        """When the route was first read sending the canary nothing (weight 0, no header rule)."""
 
     def observed(self) -> Observed:
         def obs(t: Track) -> TrackObserved | None:
@@ -161,6 +164,14 @@ class World:
         )
         self.decisions.append((observed, d))
         check_invariants(observed, d, self.spec)
+        if observed.route is not None and (observed.route.canary_weight > 0 or observed.route.header_rule):
+            self.route_idle_since = None
+        elif self.route_idle_since is None:
+            self.route_idle_since = self.t
+        oc = observed.canary
+        if oc is not None and oc.replicas > 0 and d.canary_replicas == 0:
+            idle = self.t - self.route_idle_since
+            assert idle >= ROUTE_DRAIN_SECONDS, f"canary scaled away {idle}s after the route left it"
         self.status = d.status
         # pods asked for last tick are ready now; this decision's changes land
         for track, rev, n in (
@@ -266,7 +277,9 @@ def test_rollback_sets_weight_zero_before_the_canary_goes() -> None:
     assert rolled.canary_replicas == 1, "the canary keeps its pods in the decision that zeroes its weight"
     assert rolled.requeue_after is not None
     after = w.tick()
-    assert after.canary_replicas == 0 and after.canary_revision is None
+    assert after.canary_replicas == 1, "kept while the data plane follows the route (ROUTE_DRAIN_SECONDS)"
+    gone = w.run_until(lambda d: d.canary_replicas == 0, limit=int(ROUTE_DRAIN_SECONDS / 5) + 2)
+    assert gone.canary_revision is None and gone.status.canary_drained_at is None
 
 
 def test_promotion_keeps_canary_weight_until_new_stable_ready() -> None:
@@ -322,7 +335,7 @@ def test_header_traffic_reaches_only_the_new_revision_until_the_stable_runs_it()
             break
     else:
         raise AssertionError("the header rule never went")
-    assert w.tick().canary_replicas == 0
+    w.run_until(lambda d: d.canary_replicas == 0, limit=int(ROUTE_DRAIN_SECONDS / 5) + 2)
 
 
 def test_header_only_traffic_also_drains_before_the_canary_goes() -> None:
@@ -336,7 +349,7 @@ def test_header_only_traffic_also_drains_before_the_canary_goes() -> None:
     w.route = RouteObserved(100, 0, True)  # the weight is 0 on the route, the header rule not yet gone
     assert w.tick().canary_replicas == 1, "header traffic still reaches the canary: keep it"
     assert w.route == RouteObserved(100, 0, False)
-    assert w.tick().canary_replicas == 0
+    w.run_until(lambda d: d.canary_replicas == 0, limit=int(ROUTE_DRAIN_SECONDS / 5) + 2)
 
 
 # --------------------------------------------------------------------------- the route object
