@@ -40,9 +40,10 @@ track's over the same sub-windows:
 * the tally breaches and the canary is worse than the stable with at least
   ``rollout.confidence`` -> ``Failed``; when the stable's tally breaches too (a burst or an
   overload both tracks see), the canary must also be at least :data:`SHARED_BREACH_RATIO`
-  times as bad as the stable (an effect size, like Kayenta's allowed increase). Without a usable stable (no stable track, fewer than
-  ``minSamples`` stable requests in the window, or its queries erroring), being over the
-  budget with that confidence decides instead;
+  times as bad as the stable (an effect size, like Kayenta's allowed increase). Without a
+  usable stable (no stable track, its queries erroring, or fewer than ``minSamples`` stable
+  requests in the window that do not show a breach of their own with that confidence), being
+  over the budget with that confidence decides instead;
 * otherwise (a breach the stable shares, or too thin to tell) -> ``Inconclusive``, with the
   reason in the evidence. A breach the stable shares without the canary being clearly worse
   passes the lane's step like a Successful analysis (a burst, not the canary); any other
@@ -680,12 +681,11 @@ def judge(
         clustered_over_budget(canary_slices, canary.budget) if canary_slices else None,
     )
     assert over is not None
-    usable = stable is not None and stable.outcome is not Outcome.ERROR and stable.outcome is not Outcome.INCONCLUSIVE
     worse: float | None = None
     stable_tally: tuple[float, float] | None = None
-    if usable:
+    paired = stable_slices if canary_slices and stable_slices and len(stable_slices) == len(canary_slices) else None
+    if _baseline(stable, paired, confidence):
         assert stable is not None and stable.bad is not None and stable.samples is not None
-        paired = stable_slices if canary_slices and stable_slices and len(stable_slices) == len(canary_slices) else None
         k_s, n_s = _totals(paired) if paired else (stable.bad, stable.samples)
         k_c_, n_c_ = (k_c, n_c) if paired else (canary.bad, canary.samples)
         stable_tally = (k_s, n_s)
@@ -721,6 +721,25 @@ def judge(
         stable_tally=stable_tally,
         shared_breach=shared and worse is not None and worse < confidence,
     )
+
+
+def _baseline(stable: MetricCheck | None, paired: Slices | None, confidence: float) -> bool:
+    """Whether the stable's check is a baseline to compare the canary with.
+
+    A stable with enough requests in the window is one. A *thin* stable (measured, but fewer
+    than ``minSamples`` requests: a tenant slice the canary's pods happened to get most of) is
+    one only when its own tally breaches the budget with ``confidence`` (the exact binomial
+    test): the breach is then established on the stable too, and failing the canary on its
+    budget alone would pin on it what both tracks show (``make demo``: a slice 16% slow on the
+    canary against 42% of 93 requests on the stable was rolled back). A thin stable that does
+    not show a breach is no evidence either way: the budget test decides, as with no stable.
+    """
+    if stable is None or stable.outcome is Outcome.ERROR or stable.bad is None or not stable.samples:
+        return False
+    if stable.outcome is not Outcome.INCONCLUSIVE:
+        return True
+    k_s, n_s = _totals(paired) if paired else (stable.bad, stable.samples)
+    return n_s > 0 and k_s / n_s > stable.budget and 1.0 - binomial_sf(k_s, n_s, stable.budget) >= confidence
 
 
 NO_STABLE_4XX = "no stable track with enough requests to compare with: 4xx are taken as the clients' own"

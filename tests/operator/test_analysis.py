@@ -392,8 +392,18 @@ def _judged(canary: Row, stable: Row | None, confidence: float = 0.95) -> Any:
         # no stable measurement (first window of a thin stable): the budget test alone decides
         ((0.5, 300.0, 60.0), None, Outcome.FAILED, None),
         ((0.25, 120.0, 2.0), None, Outcome.INCONCLUSIVE, "a breach this thin"),
-        # a stable with too few samples is no baseline: the budget test alone decides
-        ((0.3, 300.0, 30.0), (0.35, 10.0, 2.0), Outcome.FAILED, None),
+        # a stable with too few samples that shows no breach of its own is no baseline: the
+        # budget test alone decides (1 slow of 10 is 90% likely at 1%: not a breach shown)
+        ((0.3, 300.0, 30.0), (0.1, 10.0, 0.0), Outcome.FAILED, None),
+        ((0.3, 300.0, 30.0), (0.35, 10.0, 1.0), Outcome.FAILED, None),
+        # ... but a thin stable that breaches with confidence shares the breach: the canary
+        # (10% slow) is compared with it (20% of 10), not failed on its budget alone
+        ((0.3, 300.0, 30.0), (0.35, 10.0, 2.0), Outcome.INCONCLUSIVE, "stable track breaches too"),
+        # make demo's false rollback: a tenant slice 16% slow on the canary against 42% of the
+        # stable's requests, too few of them in the window (the demo: 93 < minSamples 100)
+        ((0.3, 282.0, 45.0), (0.4, 45.0, 19.0), Outcome.INCONCLUSIVE, "stable track breaches too"),
+        # a thin stable's breach does not excuse a canary clearly worse than it
+        ((0.9, 300.0, 240.0), (0.2, 40.0, 4.0), Outcome.FAILED, None),
         # a slightly worse canary that both breach: not clearly worse than a breaching stable
         ((0.22, 300.0, 6.0), (0.21, 900.0, 12.0), Outcome.INCONCLUSIVE, "stable track breaches too"),
         # empty buckets (no requests in the window on the canary)
