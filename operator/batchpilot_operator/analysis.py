@@ -567,6 +567,9 @@ class AnalysisResult:
     lanes: tuple[LaneVerdict, ...] = field(default_factory=tuple)
     tally: dict[str, list[list[float]]] = field(default_factory=dict)
     """The canary's tally after this analysis (``status.rollout.evidence``; see verdicts)."""
+    underfed: str | None = None
+    """Why this analysis could not pass the step with the canary fed less than the stable per
+    pod and no later step feeding it (``fairness.judge_load``), with what to change."""
 
     @property
     def outcome(self) -> Outcome:

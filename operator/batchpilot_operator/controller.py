@@ -163,7 +163,15 @@ def reconcile(
         )
         if routing is not None:
             analysis = fairness.judge_load(
-                metrics, analysis, routing, policy=name, namespace=namespace, spec=spec, now=now, emit=emit
+                metrics,
+                analysis,
+                routing,
+                policy=name,
+                namespace=namespace,
+                spec=spec,
+                step_index=status.rollout.step_index if status.rollout is not None else 0,
+                now=now,
+                emit=emit,
             )
 
     trouble: dict[str, str] = {}

@@ -4,23 +4,32 @@ With the replica ratio every pod gets the same arrival rate. With a route's exac
 does not: at 10% of a 2-replica policy the canary's one pod gets 10% of the traffic while each
 stable pod gets 45%. A dynamic batcher fed 4.5x less fills smaller batches; its latency and
 queue age are not the ones it would show at full load, usually better (less queueing), so a
-Successful verdict on it is optimistic. Two things keep the comparison fair:
+Successful verdict on it is optimistic. Three things keep the comparison fair:
 
 1. the canary is sized to its weight (``traffic.split_for_routing``: ``round(N * w / (100 - w))``
    pods, at least 1, at most N, beside the stable's N), which is as close to the stable's
    per-pod rate as whole pods allow (at 50% of 2 replicas, 2 canary pods: 25% each, as each
    stable pod; 1 canary pod there would get twice a stable pod's load, a pessimistic
-   comparison that rolled good changes back in the end-to-end test); and
-2. this check: every analysis also measures the **per-pod arrival rate** of both tracks (all
-   requests over the analysis window per pod that served any); when the canary's is below
-   ``trafficRouting.minCanaryLoadRatio`` (default 0.5) of the stable's, its Successful checks
-   become Inconclusive ("underfed"): the step does not pass on them, and nothing is held
-   against the canary either. A Failed check stands (a canary that breaches its SLO even
-   underfed is worse at full load). ``minCanaryLoadRatio: 0`` turns the check off.
+   comparison that rolled good changes back in the end-to-end test);
+2. every analysis also measures the **per-pod arrival rate** of both tracks (all requests over
+   the analysis window per pod that served any); the canary is *underfed* when its rate is
+   below ``trafficRouting.minCanaryLoadRatio`` (default 0.5) of the stable's;
+3. an underfed analysis is judged by what comes after it (:func:`judge_load`):
 
-So with few replicas a small step cannot promote on thin evidence: the rollout stays on it
-(and after ``maxInconclusive`` analyses stalls as ``InconclusiveLimit``) until the weight feeds
-the canary comparably. ``trafficRouting.header`` traffic counts as canary traffic here.
+   * a later step of the plan feeds the canary comparably (:func:`planned_load_ratio`, the
+     split's per-pod shares): the step is a **smoke test**. The verdict at the canary's own
+     load stands (Successful passes the step; a Failed check, a canary that breaches even
+     underfed, counts), the Event ``CanaryUnderfed`` names the step whose like-for-like
+     comparison will gate the promotion. Small first steps limit the blast radius; they do not
+     have to carry the comparison a small canary cannot make.
+   * no later step does: the Successful checks become Inconclusive (this analysis cannot pass
+     the step; nothing is held against the canary either; a Failed check stands), and the
+     reason, with the weight that would feed the canary, goes to ``status.rollout.underfed``:
+     after ``maxInconclusive`` such analyses the rollout stalls as ``CanaryUnderfed`` saying what
+     to change, never as an unexplained wait.
+
+``minCanaryLoadRatio: 0`` turns the check off. ``trafficRouting.header`` traffic counts as canary
+traffic here (it can feed a canary its weight does not).
 """
 
 from __future__ import annotations
@@ -29,6 +38,7 @@ import dataclasses
 from collections.abc import Callable
 from datetime import datetime
 
+from batchpilot_operator import traffic
 from batchpilot_operator.analysis import (
     REQUESTS_METRIC,
     AnalysisResult,
@@ -61,6 +71,36 @@ def underfed(canary_rate: float | None, stable_rate: float | None, min_ratio: fl
     return (canary_rate or 0.0) < min_ratio * stable_rate
 
 
+def planned_load_ratio(replicas: int, weight: int) -> float:
+    """A canary pod's planned share of the traffic over a stable pod's at ``weight``, with the
+    pods :func:`traffic.split_for_routing` gives each track (header traffic aside)."""
+    if weight <= 0:
+        return 0.0
+    if weight >= 100:
+        return 1.0
+    stable, canary = traffic.split_for_routing(replicas, weight)
+    return (weight / canary) / ((100 - weight) / stable)
+
+
+def fed_weight(replicas: int, min_ratio: float) -> int:
+    """The smallest weight whose planned split feeds a canary pod ``min_ratio`` of a stable
+    pod's rate (100 always does: both tracks serve all of it)."""
+    return next((w for w in range(1, 100) if planned_load_ratio(replicas, w) >= min_ratio), 100)
+
+
+def comparable_step_after(spec: PolicySpec, step_index: int, min_ratio: float) -> int | None:
+    """The first step after ``step_index`` whose weight feeds the canary comparably, if any."""
+    steps = spec.rollout.steps
+    return next(
+        (
+            i
+            for i in range(step_index + 1, len(steps))
+            if planned_load_ratio(spec.replicas, steps[i].weight) >= min_ratio
+        ),
+        None,
+    )
+
+
 def downgrade(result: AnalysisResult) -> AnalysisResult:
     """Successful canary checks become Inconclusive (neither pass nor hold the step)."""
     lanes: list[LaneVerdict] = []
@@ -83,11 +123,15 @@ def judge_load(
     policy: str,
     namespace: str,
     spec: PolicySpec,
+    step_index: int,
     now: datetime,
     emit: Emit,
 ) -> AnalysisResult:
-    """Apply the load check to one analysis (one extra query pair per analysis)."""
-    if routing.min_canary_load_ratio <= 0 or result.stable_revision is None:
+    """Apply the load check to one analysis of step ``step_index`` (one extra query pair per
+    analysis): an underfed canary's step is a smoke test when a later step feeds it, and
+    otherwise cannot pass, with the reason in ``result.underfed`` (module doc)."""
+    min_ratio = routing.min_canary_load_ratio
+    if min_ratio <= 0 or result.stable_revision is None:
         return result
     window = spec.rollout.analysis_interval
     queries = {
@@ -99,12 +143,32 @@ def judge_load(
         track: measured[q].value if q in measured and measured[q].error is None else None
         for track, q in queries.items()
     }
-    if not underfed(rates["canary"], rates["stable"], routing.min_canary_load_ratio):
+    if not underfed(rates["canary"], rates["stable"], min_ratio):
         return result
+    steps = spec.rollout.steps
+    fed = (
+        f"canary underfed at step {step_index + 1} ({steps[step_index].weight}%)"
+        if step_index < len(steps)
+        else "canary underfed"
+    )
+    fed += (
+        f": {rates['canary'] or 0.0:.2f} req/s per pod against the stable's {rates['stable'] or 0.0:.2f}"
+        f" (below minCanaryLoadRatio {min_ratio:g}); its batching is not comparable"
+    )
+    later = comparable_step_after(spec, step_index, min_ratio)
+    if later is not None:
+        emit(
+            "Normal",
+            "CanaryUnderfed",
+            f"{fed}: this step is a smoke test judged at the canary's own load; the like-for-like comparison"
+            f" that gates the promotion is step {later + 1} ({steps[later].weight}%)",
+        )
+        return result
+    need = fed_weight(spec.replicas, min_ratio)
     note = (
-        f"canary underfed: {rates['canary'] or 0.0:.2f} req/s per pod against the stable's {rates['stable'] or 0.0:.2f}"
-        f" (below minCanaryLoadRatio {routing.min_canary_load_ratio:g}); its batching is not comparable, so"
-        " this analysis cannot pass the step"
+        f"{fed}, and no later step feeds it: this analysis cannot pass the step. To go on, give this step a"
+        f" weight of at least {need}% (with {spec.replicas} replicas), add replicas, send the canary header"
+        f" traffic, or lower minCanaryLoadRatio knowingly"
     )
     emit("Normal", "CanaryUnderfed", note)
-    return downgrade(result)
+    return dataclasses.replace(downgrade(result), underfed=note)

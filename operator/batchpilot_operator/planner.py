@@ -622,6 +622,7 @@ class _Planner:
             r.inconclusive_streak += 1
         else:
             r.inconclusive_streak = 0
+        r.underfed = a.underfed
 
     def record_analysis(self, a: AnalysisResult) -> None:
         lanes: list[LaneSummary] = []
@@ -790,6 +791,11 @@ class _Planner:
                 )
             return "MetricsUnavailable", f"metrics unavailable since {since}; holding the rollout (Hold)"
         if r.inconclusive_streak >= self.spec.rollout.max_inconclusive:
+            if r.underfed is not None:
+                return (
+                    "CanaryUnderfed",
+                    f"{r.inconclusive_streak} Inconclusive analyses in a row; {r.underfed}; holding, not rolling back",
+                )
             return (
                 "InconclusiveLimit",
                 f"{r.inconclusive_streak} Inconclusive analyses in a row (fewer than "

@@ -20,8 +20,8 @@ Wire shape (all keys camelCase; optional keys are omitted when empty)::
     stableReplicas / canaryReplicas: int (desired)
     paused: bool
     rollout: {revision, stepIndex, stepWeight, startedAt, stepEnteredAt, stepStartedAt,
-              failures, inconclusiveStreak, metricsErrorSince, lastAnalysisAt, passedLanes,
-              pausedAt}
+              failures, inconclusiveStreak, underfed, metricsErrorSince, lastAnalysisAt,
+              passedLanes, pausedAt}
     failedRevisions: [{revision, time, reason, evidence}]
     handledCommands: {promote|abort|retry|pause: <last handled annotation value>}
     conditions: [{type: Ready|Reconciling|Stalled|SettingsStale|Degraded, status, reason, message,
@@ -174,6 +174,11 @@ class RolloutState(_Model):
     )
     failures: int = 0
     inconclusive_streak: int = Field(default=0, alias="inconclusiveStreak")
+    underfed: str | None = Field(
+        default=None,
+        description="why the last analysis could not pass the step: the canary fed below minCanaryLoadRatio "
+        "with no later step feeding it, and what to change (fairness.judge_load)",
+    )
     metrics_error_since: datetime | None = Field(default=None, alias="metricsErrorSince")
     last_analysis_at: datetime | None = Field(default=None, alias="lastAnalysisAt")
     passed_lanes: list[str] = Field(default_factory=list, alias="passedLanes")

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import copy
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass
 from datetime import UTC, datetime, timedelta
 from typing import Any
@@ -28,7 +29,15 @@ from batchpilot_operator.analysis import (
     promql_window,
     verdicts,
 )
-from batchpilot_operator.fairness import downgrade, per_pod_rate_query, underfed
+from batchpilot_operator.fairness import (
+    comparable_step_after,
+    downgrade,
+    fed_weight,
+    judge_load,
+    per_pod_rate_query,
+    planned_load_ratio,
+    underfed,
+)
 from batchpilot_operator.planner import (
     ROUTE_DRAIN_SECONDS,
     Decision,
@@ -135,8 +144,11 @@ class World:
     as not ready for that tick: its status is of the previous generation); a route that takes
     the decision's weights at once (as the operator writes it before any scale-down)."""
 
-    def __init__(self, s: PolicySpec) -> None:
+    def __init__(self, s: PolicySpec, rate: float | None = None) -> None:
         self.spec = s
+        self.rate = rate
+        """Requests/s the route splits by its weights (None: no per-pod load check)."""
+        self.events: list[tuple[str, str, str]] = []
         self.status = Status()
         self.stable = Track()
         self.canary = Track()
@@ -158,6 +170,19 @@ class World:
         result: AnalysisResult | None = None
         if analysis_due(self.spec, self.status, now):
             result = measured(self.spec, self.status, now, **analysis)
+            routing = self.spec.rollout.traffic_routing
+            if self.rate is not None and routing is not None and self.status.rollout is not None:
+                result = judge_load(
+                    SplitLoad(self),
+                    result,
+                    routing,
+                    policy="chat",
+                    namespace="ml",
+                    spec=self.spec,
+                    step_index=self.status.rollout.step_index,
+                    now=now,
+                    emit=lambda *e: self.events.append(e),
+                )
         observed = self.observed()
         d = plan(
             PlanInputs(spec=self.spec, generation=1, status=self.status, observed=observed, now=now, analysis=result)
@@ -198,6 +223,26 @@ class World:
             if predicate(d):
                 return d
         raise AssertionError(f"not reached; status {self.status.phase} {self.status.message}")
+
+
+class SplitLoad:
+    """The per-pod rate queries of the fairness check, answered from the world's route: its
+    weights split ``world.rate`` over the ready pods of each track."""
+
+    def __init__(self, world: World) -> None:
+        self.world = world
+
+    def measure(self, queries: Sequence[str], at: float | None = None) -> dict[str, Measurement]:
+        w, route = self.world, self.world.route
+        assert w.rate is not None and route is not None
+        out = {}
+        for q in queries:
+            track, weight = (
+                (w.canary, route.canary_weight) if 'track="canary"' in q else (w.stable, route.stable_weight)
+            )
+            rate = w.rate * weight / 100 / track.ready if track.ready else None
+            out[q] = Measurement(q, value=rate)
+        return out
 
 
 def check_invariants(observed: Observed, d: Decision, s: PolicySpec) -> None:
@@ -464,6 +509,70 @@ def test_underfed_canary_cannot_pass_but_failed_stands() -> None:
     assert downgrade(bad).outcome.value == "Failed"
     q = per_pod_rate_query(namespace="ml", policy="chat", track="canary", revision="abc", window=30)
     assert 'track="canary"' in q and "by (pod)" in q and "[30s]" in q
+
+
+def test_planned_load_ratio_and_the_weight_that_feeds() -> None:
+    # a canary pod's share over a stable pod's, with split_for_routing's pods
+    for replicas in (1, 2, 3, 4, 10):
+        for weight in range(1, 100):
+            stable, canary = split_for_routing(replicas, weight)
+            assert planned_load_ratio(replicas, weight) == pytest.approx((weight / canary) / ((100 - weight) / stable))
+        for min_ratio in (0.25, 0.5, 0.8, 1.0):
+            w = fed_weight(replicas, min_ratio)
+            assert w == 100 or planned_load_ratio(replicas, w) >= min_ratio
+            assert all(planned_load_ratio(replicas, v) < min_ratio for v in range(1, w))
+    assert planned_load_ratio(2, 10) == pytest.approx(10 / 45)  # the shipped gateway example's first step
+    s = spec()  # 2 replicas, 10 / 25 / 50
+    assert [comparable_step_after(s, i, 0.5) for i in range(3)] == [1, 2, None]
+    assert comparable_step_after(s, 0, 0.7) == 2
+
+
+def test_an_underfed_first_step_is_a_smoke_test_and_a_later_fed_step_gates() -> None:
+    # The shipped gateway example's shape: 2 replicas, 10 / 25 / 50, minCanaryLoadRatio 0.5 by
+    # default. At 10% a canary pod gets 10 / 45 of a stable pod's rate: underfed, but the 25%
+    # and 50% steps feed it, so the 10% step passes on the canary's own verdict (Event), and
+    # the rollout is promoted without a stall.
+    s = spec()
+    w = World(s, rate=100.0)
+    w.run_until(lambda d: d.status.phase is Phase.HEALTHY)
+    first = w.status.stable_revision
+    w.spec = spec(lane_window="6ms")
+    d = w.run_until(lambda d: d.status.stable_revision not in (None, first) and d.status.rollout is None, limit=400)
+    assert d.status.history[-1].outcome == "Promoted"
+    assert not any(c.type == "Stalled" and c.status == "True" for c in d.status.conditions)
+    smoke = [e for e in w.events if e[1] == "CanaryUnderfed"]
+    assert smoke and all("step 1 (10%)" in e[2] and "smoke test" in e[2] and "step 2 (25%)" in e[2] for e in smoke)
+
+
+def test_underfed_with_no_fed_step_after_stalls_saying_what_to_change() -> None:
+    # Only a 10% step: nothing later can make the comparison, so its analyses cannot pass the
+    # step and the rollout stalls as CanaryUnderfed with the weight that would feed the canary
+    # (20% with 2 replicas at ratio 0.5): a reason and a remedy, never a silent wait.
+    def only_ten(window: str = "5ms") -> PolicySpec:
+        base = spec(lane_window=window).model_dump(by_alias=True, mode="json")
+        base["rollout"]["steps"] = [{"weight": 10, "pause": "60s"}]
+        base["rollout"]["maxInconclusive"] = 3
+        return PolicySpec.model_validate(base)
+
+    w = World(only_ten(), rate=100.0)
+    w.run_until(lambda d: d.status.phase is Phase.HEALTHY)
+    w.spec = only_ten("6ms")
+    d = w.run_until(
+        lambda d: d.status.condition("Stalled") is not None and d.status.condition("Stalled").status == "True"
+    )
+    stalled = d.status.condition("Stalled")
+    assert stalled is not None and stalled.reason == "CanaryUnderfed", stalled
+    assert "weight of at least 20%" in stalled.message and "minCanaryLoadRatio 0.5" in stalled.message
+    assert d.status.rollout is not None and d.status.rollout.underfed is not None
+    assert d.status.rollout.step_index == 0 and d.status.rollout.revision != d.status.stable_revision
+    # a canary that breaches underfed still fails: the downgrade leaves Failed alone
+    assert all(e[1] == "CanaryUnderfed" and "no later step feeds it" in e[2] for e in w.events)
+    bad = w.tick(p99=1.0)
+    for _ in range(40):
+        if bad.status.rollout is None:
+            break
+        bad = w.tick(p99=1.0)
+    assert bad.status.history and bad.status.history[-1].outcome == "RolledBack"
 
 
 def test_no_routing_keeps_replica_ratio() -> None:
