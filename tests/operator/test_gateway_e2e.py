@@ -3,7 +3,10 @@
 Real control plane, the operator, a real Prometheus, one runtime process per pod (the local
 harness), Contour and Envoy (``localdev/gateway.py``); every request goes through Envoy.
 
-* 2 replicas, steps 10% / 25% / 50%: at each step (held with the pause annotation while it is
+* The shipped example's traffic settings (``manifests/examples/gateway-canary.yaml``: 2
+  replicas, steps 10% / 25% / 50%, minCanaryLoadRatio 0.5; only the clocks are shorter): the
+  10% step feeds the canary pod under half a stable pod's rate, passes as a smoke test, and
+  the rollout is promoted (``fairness``). At each step (held with the pause annotation while it is
   measured), once Envoy itself routes by the step's weight (its config dump), at least 2,000
   requests are sent through the gateway; the share
   that reached the canary, counted from the runtimes' own ``batchpilot_requests_total``, must be
@@ -39,6 +42,7 @@ from typing import Any
 
 import aiohttp
 import pytest
+import yaml
 
 from batchpilot_operator.fairness import per_pod_rate_query, underfed
 from batchpilot_operator.localdev.gateway import LocalGateway, httproute
@@ -63,7 +67,15 @@ def burst_size(weight: int) -> int:
     return max(BURST, math.ceil(9 * p * (1 - p) / 0.02**2))
 
 
-TENANT = {"x-tenant": "canary-testers"}
+EXAMPLE = yaml.safe_load((REPO / "manifests" / "examples" / "gateway-canary.yaml").read_text())["spec"]
+"""The shipped example: its replicas, step weights and trafficRouting (minCanaryLoadRatio
+included) are the test's, unchanged; the test shortens only the clocks (pauses, interval),
+runs the tiny CPU model, and names its own route."""
+
+TENANT = {
+    EXAMPLE["rollout"]["trafficRouting"]["header"]["name"]: EXAMPLE["rollout"]["trafficRouting"]["header"]["value"]
+}
+MIN_RATIO = EXAMPLE["rollout"]["trafficRouting"]["minCanaryLoadRatio"]
 ARGO = "argocd-controller"
 
 POLICY: dict[str, Any] = {
@@ -72,7 +84,7 @@ POLICY: dict[str, Any] = {
     "metadata": {"name": "shop"},
     "spec": {
         "model": dict(TINY_MODEL),
-        "replicas": 2,
+        "replicas": EXAMPLE["replicas"],
         "resources": {"gpus": 1},
         "lanes": [
             {
@@ -85,18 +97,14 @@ POLICY: dict[str, Any] = {
         ],
         "slo": {"p99Latency": "120ms", "maxQueueAge": "60ms"},
         "rollout": {
-            "steps": [{"weight": 10, "pause": "20s"}, {"weight": 25, "pause": "20s"}, {"weight": 50, "pause": "20s"}],
+            "steps": [{"weight": step["weight"], "pause": "20s"} for step in EXAMPLE["rollout"]["steps"]],
             "analysisInterval": "4s",
             "failureLimit": 2,
             "minSamples": 10,
             "onMetricsUnavailable": {"action": "Hold"},
             "trafficRouting": {
-                "gatewayAPI": {"httpRoute": "shop", "rule": "infer"},
-                "header": {"name": "x-tenant", "value": "canary-testers"},
-                # This test measures the data plane's weights; with 2 replicas a 10% canary pod
-                # gets far less than a stable pod, which the default (0.5) would hold as
-                # Inconclusive (tests/operator/test_traffic.py covers that check).
-                "minCanaryLoadRatio": 0,
+                **EXAMPLE["rollout"]["trafficRouting"],
+                "gatewayAPI": {**EXAMPLE["rollout"]["trafficRouting"]["gatewayAPI"], "httpRoute": "shop"},
             },
         },
     },
@@ -357,7 +365,7 @@ def test_weights_header_and_rollback_through_contour_and_envoy(scenario: Scenari
     header_stream = HeaderStream(s.gw.url, TENANT)
     s.closers += [header_watch.stop, header_stream.stop]
     header_on: float | None = None
-    for index, weight in enumerate((10, 25, 50)):
+    for index, weight in enumerate(step["weight"] for step in EXAMPLE["rollout"]["steps"]):
         st = s.wait(
             lambda st, w=weight: st.get("stepWeight") == w and st.get("canaryWeight") == w,
             240,
@@ -451,7 +459,7 @@ def test_weights_header_and_rollback_through_contour_and_envoy(scenario: Scenari
                 raise AssertionError(f"{exc}\nlast per-pod rates {last_rates}, burst counted {counted}") from exc
             figures["per_pod_rates_at_10"] = rates
             assert 0.1 < rates["canary"] / rates["stable"] < 0.45, rates
-            assert underfed(rates["canary"], rates["stable"], 0.5), rates
+            assert underfed(rates["canary"], rates["stable"], MIN_RATIO), rates
             # the tenant header reaches the canary, every time
             tenant = burst(s.gw.url, 200, headers=TENANT, concurrency=8)
             figures["header"] = dict(tenant)
