@@ -402,6 +402,8 @@ class MetricCheck:
     """The tenant slice this check is of (None: the lane's total)."""
     codes: tuple[tuple[str, float], ...] | None = None
     """clientErrors: the rejected requests by status code over the window."""
+    buckets: tuple[tuple[float, float], ...] | None = None
+    """p99Latency and queueAge: the window's cumulative histogram ``(le, count)`` (``power``)."""
 
     @property
     def thin(self) -> bool:
@@ -640,6 +642,7 @@ def check_metric(
         budget=budget,
         tenant=queries.tenant,
         codes=codes.groups if codes is not None and codes.error is None else None,
+        buckets=bad_m.buckets if metric in _HISTOGRAM and error is None else None,
     )
     if error is not None:
         outcome = Outcome.ERROR

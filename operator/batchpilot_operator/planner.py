@@ -84,6 +84,7 @@ from datetime import UTC, datetime, timedelta
 from typing import Literal
 
 from batchpilot_operator.analysis import AnalysisResult, LaneVerdict, MetricCheck, Outcome, format_value
+from batchpilot_operator.power import LIMIT, lane_detectable_regression
 from batchpilot_operator.spec import PolicySpec
 from batchpilot_operator.status import (
     FAILED_REVISIONS_LIMIT,
@@ -689,6 +690,7 @@ class _Planner:
                     rejected=_val(rej),
                     stable_rejected=_val(srej),
                     tenants=[_tenant_summary(sl) for sl in lane.slices] or None,
+                    **_detectable(lat, slat, self.spec.rollout.confidence),
                 )
             )
         self.st.last_analysis = AnalysisSummary(
@@ -1116,6 +1118,21 @@ def resumed_by(resume: str | None, pause: str, rollout: RolloutState | None) -> 
 
 def _val(check: MetricCheck | None) -> float | None:
     return None if check is None else _json_float(check.value)
+
+
+def _detectable(canary: MetricCheck | None, stable: MetricCheck | None, confidence: float) -> dict[str, object]:
+    """The LaneSummary fields saying what the gate can see at this window's traffic (``power``)."""
+    found = lane_detectable_regression(canary, stable, confidence) if canary is not None else None
+    if found is None:
+        return {}
+    if math.isinf(found):
+        return {
+            "detects": f"no p99 regression up to {LIMIT + 1:g}x: the stable is far under its SLO or the traffic is thin"
+        }
+    return {
+        "detectable_p99_regression": found,
+        "detects": f"a p99 regression of {found:.0%} or more at the current traffic",
+    }
 
 
 def _tenant_summary(sl: LaneVerdict) -> TenantSummary:

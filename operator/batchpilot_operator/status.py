@@ -210,6 +210,14 @@ class LaneSummary(_Model):
     """The share of the lane's requests answered 4xx (issue 12), and the stable's."""
     stable_rejected: float | None = Field(default=None, alias="stableRejected")
     tenants: list[TenantSummary] | None = None
+    detectable_p99_regression: float | None = Field(
+        default=None,
+        alias="detectableP99Regression",
+        description="the smallest p99 regression (0.5: 1.5x the stable's) the rollout's tally detects at this "
+        "window's traffic (batchpilot_operator.power); absent when none up to 10x is or the window cannot tell",
+    )
+    detects: str | None = None
+    """The same in words, for ``kubectl batchpilot status``."""
 
 
 class TenantSummary(_Model):

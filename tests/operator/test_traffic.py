@@ -586,3 +586,24 @@ def test_no_routing_keeps_replica_ratio() -> None:
     assert plain.rollout.traffic_routing is None
     d = plan(PlanInputs(spec=plain, generation=1, status=Status(), observed=Observed(), now=T0))
     assert d.route is None
+
+
+def test_status_says_what_the_gate_can_see() -> None:
+    # Every analysis records, per lane, the smallest p99 regression the tally would detect at
+    # this window's traffic (power.py), and `kubectl batchpilot status` prints it.
+    from rich.console import Console
+
+    from batchpilot_operator.oncall import render
+
+    s = spec()
+    w = healthy_world(s)
+    w.spec = spec(lane_window="6ms")
+    d = w.run_until(lambda d: d.status.last_analysis is not None)
+    assert d.status.last_analysis is not None
+    lane = d.status.last_analysis.lanes[0]
+    assert lane.detectable_p99_regression is not None and 0 < lane.detectable_p99_regression < 9
+    assert lane.detects == f"a p99 regression of {lane.detectable_p99_regression:.0%} or more at the current traffic"
+    obj = {"metadata": {"name": "chat", "namespace": "ml", "generation": 1}, "spec": {}, "status": d.status.to_dict()}
+    console = Console(width=160, record=True)
+    console.print(render.status_view(render.summary(obj)))
+    assert f"lane interactive: this rollout detects {lane.detects}" in console.export_text()

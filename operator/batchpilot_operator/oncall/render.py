@@ -118,6 +118,8 @@ def summary(obj: dict[str, Any], decisions: int = 8) -> dict[str, Any]:
                     "stableP99Latency": lane.stable_p99_latency,
                     "stableQueueAge": lane.stable_queue_age,
                     "stableErrorRate": lane.stable_error_rate,
+                    "detectableP99Regression": lane.detectable_p99_regression,
+                    "detects": lane.detects,
                 }
             )
     recent = [e for e in status.ledger if e.kind in DECISION_KINDS][-decisions:]
@@ -263,6 +265,11 @@ def status_view(s: dict[str, Any]) -> RenderableType:
                 _pct(lane["stableErrorRate"]),
             )
         parts.append(t)
+        sees = [
+            f"lane {lane['lane']}: this rollout detects {lane['detects']}" for lane in s["lanes"] if lane["detects"]
+        ]
+        if sees:
+            parts.append(Text("\n".join(sees)))
         tenant_rows = [(lane, t) for lane in s["lanes"] for t in lane.get("tenants") or []]
         if tenant_rows:
             t = Table(title="Tenant slices (thin: too few requests to judge, counted for nothing)")

@@ -1,0 +1,117 @@
+"""What the canary gate can see: the smallest p99 regression a rollout detects. Pure.
+
+A gate that cannot see a regression passes it blind, so ``kubectl batchpilot status`` says,
+per lane and from the last analysis, "this rollout detects a p99 regression of X% or more at
+the current traffic". X comes from the verdict's own rule (``analysis.judge``) applied to the
+counts the regression would produce:
+
+* A regression by a factor ``f`` is the stable's latencies, each ``f`` times longer (a model
+  that slows every request alike; queueing makes a real slowdown worse than that, so X is on
+  the safe side). The canary's share of requests over the SLO is then the stable's share over
+  ``SLO / f``, read from the stable's latency histogram of the window (the runtime's buckets,
+  interpolated inside a bucket as ``histogram_quantile`` does).
+* Over a full tally (:data:`analysis.TALLY_ANALYSES` analyses at this window's traffic, the
+  canary's and the stable's requests each), the regression is detected when the expected
+  counts fail the canary: its share over the budget (1%), worse than the stable's by Fisher's
+  one-sided test with ``rollout.confidence``, and at least :data:`analysis.SHARED_BREACH_RATIO`
+  times the stable's share when the stable breaches too.
+* X is the smallest such ``f - 1``, found by bisection (the rule is monotone in ``f``), to 1%.
+  A regression of X is caught about half the time from one tally (the expected counts sit at
+  the test's threshold), a larger one more often; the sub-window test the verdict also runs
+  can only make it harder, so X is a floor, not a promise.
+
+A stable far under its SLO needs a large X before a slowdown breaches at all: the gate judges
+SLO breaches, not changes that stay inside the SLO (README "How the canary verdict decides").
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+
+from batchpilot_operator.analysis import SHARED_BREACH_RATIO, TALLY_ANALYSES, MetricCheck
+from batchpilot_operator.stats import count_above, fisher_greater
+
+LIMIT = 9.0
+"""The largest regression looked for (10x the stable's latency): beyond it, "not detectable"."""
+PRECISION = 0.01
+
+
+def detects(
+    buckets: Sequence[tuple[float, float]],
+    slo: float,
+    factor: float,
+    *,
+    canary_requests: float,
+    stable_requests: float,
+    confidence: float,
+    budget: float,
+) -> bool:
+    """Whether the verdict fails a canary whose latencies are the stable's times ``factor``
+    (expected counts over ``canary_requests`` and ``stable_requests``)."""
+    total = max(b[1] for b in buckets)
+    if total <= 0 or canary_requests <= 0 or stable_requests <= 0:
+        return False
+    p_stable = count_above(buckets, slo) / total
+    p_canary = count_above(buckets, slo / factor) / total
+    if p_canary <= budget:
+        return False
+    if p_stable > budget and p_canary < SHARED_BREACH_RATIO * p_stable:
+        return False
+    worse = 1.0 - fisher_greater(
+        p_canary * canary_requests, canary_requests, p_stable * stable_requests, stable_requests
+    )
+    return worse >= confidence
+
+
+def detectable_regression(
+    buckets: Sequence[tuple[float, float]],
+    slo: float,
+    *,
+    canary_requests: float,
+    stable_requests: float,
+    confidence: float,
+    budget: float,
+) -> float:
+    """The smallest regression (a fraction: 0.5 is p99 1.5x the stable's) the rule detects,
+    to :data:`PRECISION`; ``math.inf`` when not even :data:`LIMIT` is."""
+
+    def ok(factor: float) -> bool:
+        return detects(
+            buckets,
+            slo,
+            factor,
+            canary_requests=canary_requests,
+            stable_requests=stable_requests,
+            confidence=confidence,
+            budget=budget,
+        )
+
+    lo, hi = 1.0, 1.0 + LIMIT
+    if ok(lo):
+        return 0.0
+    if not ok(hi):
+        return math.inf
+    while hi - lo > PRECISION:
+        mid = (lo + hi) / 2
+        if ok(mid):
+            hi = mid
+        else:
+            lo = mid
+    return round(math.ceil(round((hi - 1.0) / PRECISION, 6)) * PRECISION, 2)  # up: at X itself the rule fails
+
+
+def lane_detectable_regression(canary: MetricCheck, stable: MetricCheck | None, confidence: float) -> float | None:
+    """:func:`detectable_regression` of a lane's p99 objective from this window's checks, over
+    a full tally at this window's traffic; None when the window cannot tell (no stable
+    histogram, no requests on either track)."""
+    if stable is None or not stable.buckets or not canary.samples or not stable.samples:
+        return None
+    return detectable_regression(
+        stable.buckets,
+        stable.threshold,
+        canary_requests=canary.samples * TALLY_ANALYSES,
+        stable_requests=stable.samples * TALLY_ANALYSES,
+        confidence=confidence,
+        budget=stable.budget,
+    )

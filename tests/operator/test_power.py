@@ -1,0 +1,98 @@
+"""What the gate can see (``power``): the smallest p99 regression a rollout detects, checked
+against the verdict itself (``analysis.judge``) on the counts that regression would give. Pure."""
+
+from __future__ import annotations
+
+import math
+import random
+
+import pytest
+
+from batchpilot_operator.analysis import P99_BUDGET, MetricCheck, Outcome, judge
+from batchpilot_operator.power import LIMIT, detectable_regression, detects
+from batchpilot_operator.stats import count_above
+from batchpilot_runtime.metrics import LATENCY_BUCKETS
+
+SLO = 0.12
+
+
+def histogram(latencies: list[float]) -> tuple[tuple[float, float], ...]:
+    """The runtime's cumulative buckets of ``latencies``, as Prometheus returns them."""
+    bounds = [*LATENCY_BUCKETS, math.inf]
+    return tuple((b, float(sum(x <= b for x in latencies))) for b in bounds)
+
+
+def lognormal(median: float, sigma: float, n: int = 4000, seed: int = 7) -> tuple[tuple[float, float], ...]:
+    rng = random.Random(seed)
+    return histogram([median * math.exp(rng.gauss(0, sigma)) for _ in range(n)])
+
+
+def check(track: str, bad: float, samples: float) -> MetricCheck:
+    return MetricCheck(
+        track=track,  # type: ignore[arg-type]
+        revision=track,
+        lane="interactive",
+        metric="p99Latency",
+        query="q",
+        samples_query="n",
+        value=SLO * 2 if bad / samples > P99_BUDGET else SLO / 2,
+        samples=samples,
+        threshold=SLO,
+        outcome=Outcome.FAILED if bad / samples > P99_BUDGET else Outcome.SUCCESSFUL,
+        bad=bad,
+    )
+
+
+def verdict_at(buckets: tuple[tuple[float, float], ...], factor: float, n_canary: float, n_stable: float) -> Outcome:
+    """The real verdict on a canary whose latencies are the stable's times ``factor``."""
+    total = buckets[-1][1]
+    canary = check("canary", round(count_above(buckets, SLO / factor) / total * n_canary), n_canary)
+    stable = check("stable", round(count_above(buckets, SLO) / total * n_stable), n_stable)
+    return judge(canary, stable, 0.95).outcome
+
+
+@pytest.mark.parametrize(
+    ("median", "sigma", "n_canary", "n_stable"),
+    [
+        (0.03, 0.5, 1200, 3600),  # the stable well inside its SLO (p99 ~96 ms of 120)
+        (0.05, 0.4, 400, 1200),  # nearer, less traffic
+        (0.04, 0.6, 400, 400),  # the stable breaching a little itself (a shared breach needs 2x)
+        (0.02, 0.3, 4000, 4000),  # far inside: only a large regression breaches at all
+    ],
+)
+def test_the_detectable_regression_is_where_the_verdict_starts_to_fail(
+    median: float, sigma: float, n_canary: float, n_stable: float
+) -> None:
+    buckets = lognormal(median, sigma)
+    x = detectable_regression(
+        buckets, SLO, canary_requests=n_canary, stable_requests=n_stable, confidence=0.95, budget=P99_BUDGET
+    )
+    assert 0 < x < LIMIT
+    assert verdict_at(buckets, 1 + x, n_canary, n_stable) is Outcome.FAILED
+    assert verdict_at(buckets, 1 + x + 0.3, n_canary, n_stable) is Outcome.FAILED
+    assert verdict_at(buckets, max(1.0, 1 + x - 0.05), n_canary, n_stable) is not Outcome.FAILED
+
+
+def test_more_traffic_sees_smaller_regressions_and_a_far_stable_needs_larger_ones() -> None:
+    near = lognormal(0.04, 0.5)
+
+    def x(buckets: tuple[tuple[float, float], ...], n: float) -> float:
+        return detectable_regression(
+            buckets, SLO, canary_requests=n, stable_requests=3 * n, confidence=0.95, budget=P99_BUDGET
+        )
+
+    thin, thick = x(near, 200), x(near, 5000)
+    assert thick < thin
+    assert x(lognormal(0.01, 0.5), 1000) > x(near, 1000)
+    # no traffic on either side, or a stable so far inside that even 10x does not breach
+    assert math.isinf(x(lognormal(0.0005, 0.2), 1000))
+    assert not detects(near, SLO, 3.0, canary_requests=0, stable_requests=100, confidence=0.95, budget=P99_BUDGET)
+
+
+def test_a_canary_already_breaching_at_no_regression_reads_zero() -> None:
+    # the stable at ~8% over the SLO with a tiny stable sample: the rule needs 2x its share,
+    # so 0 is only returned when the bare stable distribution would already fail
+    buckets = lognormal(0.08, 0.3)
+    x = detectable_regression(buckets, SLO, canary_requests=2000, stable_requests=2000, confidence=0.95, budget=0.01)
+    assert x > 0
+    assert verdict_at(buckets, 1.0, 2000, 2000) is not Outcome.FAILED
