@@ -19,8 +19,7 @@ from rich.table import Table
 from rich.text import Text
 
 from batchpilot_operator import ledger
-from batchpilot_operator.analysis import format_confidence, format_value, look_confidence
-from batchpilot_operator.spec import RolloutSpec
+from batchpilot_operator.analysis import format_value
 from batchpilot_operator.status import LedgerEntry, LedgerKind, Status
 
 PHASE_STYLE = {
@@ -151,11 +150,6 @@ def summary(obj: dict[str, Any], decisions: int = 8) -> dict[str, Any]:
             "failures": rollout.failures,
             "failureLimit": (spec.get("rollout") or {}).get("failureLimit", 2),
             "inconclusiveStreak": rollout.inconclusive_streak,
-            "analyses": rollout.analyses,
-            "nextNeeds": look_confidence(
-                float((spec.get("rollout") or {}).get("confidence", RolloutSpec.model_fields["confidence"].default)),
-                rollout.analyses + 1,
-            ),
             "metricsErrorSince": _ts(rollout.metrics_error_since),
             "passedLanes": rollout.passed_lanes,
         },
@@ -237,8 +231,7 @@ def status_view(s: dict[str, Any]) -> RenderableType:
         head.add_row(
             "Canary run",
             f"since {r['startedAt']}, step clock {r['stepStartedAt'] or 'waiting for pods'}, "
-            f"failures {r['failures']}/{r['failureLimit']}, passed lanes {', '.join(r['passedLanes']) or 'none'}, "
-            f"{r['analyses']} analyses (the next needs {format_confidence(r['nextNeeds'])} confidence)",
+            f"failures {r['failures']}/{r['failureLimit']}, passed lanes {', '.join(r['passedLanes']) or 'none'}",
         )
     if s["paused"]:
         head.add_row("Paused", Text("yes (kubectl batchpilot resume to continue)", style="yellow"))
