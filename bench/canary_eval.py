@@ -386,10 +386,7 @@ def old_verdicts(spec: PolicySpec, lqs: Sequence[LaneQueries], ms: dict[str, Mea
     return tuple(out)
 
 
-RULES = ("old", "flat", "new")
-"""``old``: the p99 point against the SLO (before the tally); ``flat``: the tally's tests at
-``rollout.confidence`` on every analysis; ``new``: the same tests with the confidence spent
-over the rollout's analyses (``analysis.look_confidence``)."""
+RULES = ("old", "new")
 
 
 def analyse(
@@ -400,14 +397,12 @@ def analyse(
     end: float,
     revisions: tuple[str, str] = ("c", "s"),
     history: dict[str, list[list[float]]] | None = None,
-    look: int = 1,
 ) -> AnalysisResult:
-    """One analysis at ``end`` (trace seconds), number ``look`` of its rollout: the real
-    run_analysis against the simulated Prometheus for the flat and new rules; the old rule
-    over the same window's measurements."""
+    """One analysis at ``end`` (trace seconds): the real run_analysis against the simulated
+    Prometheus for the new rule; the old rule over the same window's measurements."""
     prom = SimPrometheus(spec, run.layouts[canary_pods], revisions)
     now = EPOCH + timedelta(seconds=end)
-    if rule in ("flat", "new"):
+    if rule == "new":
         return run_analysis(
             prom,
             spec,
@@ -417,7 +412,6 @@ def analyse(
             stable_revision=revisions[1],
             now=now,
             history=history,
-            look=look if rule == "new" else 1,
         )
     ms = prom.measure([q for lq in prom.lqs for q in lq.all()], at=now.timestamp())
     return AnalysisResult(
@@ -476,16 +470,7 @@ def rollout(rule: str, old: PolicySpec, new: PolicySpec, run: Run, start: float)
             canary_pods = 1 if status.rollout.step_weight <= 25 else 2
             target = analysis_target(status)
             assert target is not None and target[1] is not None
-            analysis = analyse(
-                rule,
-                spec,
-                run,
-                canary_pods,
-                now,
-                (target[0], target[1]),
-                status.rollout.evidence,
-                look=status.rollout.analyses + 1,
-            )
+            analysis = analyse(rule, spec, run, canary_pods, now, (target[0], target[1]), status.rollout.evidence)
         d = step(now, analysis)
         if analysis is not None and d.analysis_outcomes:
             analyses += 1
@@ -640,7 +625,7 @@ def main() -> int:
     p.add_argument("--rate", type=float, default=None, help="mean req/s (default: calibrated per trace)")
     p.add_argument("--workers", type=int, default=2)
     p.add_argument("--confidence", type=float, default=None, help="rollout.confidence (default: the spec's)")
-    p.add_argument("--rules", default=",".join(RULES), help="old,flat,new")
+    p.add_argument("--rules", default=",".join(RULES), help="old,new")
     p.add_argument("--out", type=Path, default=None)
     args = p.parse_args()
     t0 = time.time()

@@ -569,9 +569,6 @@ class AnalysisResult:
     lanes: tuple[LaneVerdict, ...] = field(default_factory=tuple)
     tally: dict[str, list[list[float]]] = field(default_factory=dict)
     """The canary's tally after this analysis (``status.rollout.evidence``; see verdicts)."""
-    look: int = 1
-    """This analysis' number in its rollout (1-based): the confidence it needed is
-    ``look_confidence(spec.rollout.confidence, look)``."""
     underfed: str | None = None
     """Why this analysis could not pass the step with the canary fed less than the stable per
     pod and no later step feeding it (``fairness.judge_load``), with what to change."""
@@ -864,40 +861,20 @@ def next_tally(
     return kept
 
 
-def look_confidence(confidence: float, look: int) -> float:
-    """The confidence analysis number ``look`` (1-based) of a rollout needs, so that the
-    rollout as a whole blames a canary as good as the stable with probability at most
-    ``1 - confidence`` per objective, however many analyses it runs (alpha spending).
-
-    Look ``k`` spends ``alpha / (k (k + 1))`` of ``alpha = 1 - confidence``; the shares sum to
-    ``alpha`` over any number of looks, so by the union bound the chance that *any* look
-    fails a good canary stays within ``alpha`` whatever the dependence between looks (the
-    tallies overlap). Early looks spend most (half of it on the first: a clearly bad change
-    still fails at once), later ones ever less: the 10th needs ``1 - alpha / 110``. A rollout
-    needs ``failureLimit`` failing looks, so its false-rollback rate is below the bound again.
-    """
-    if look < 1:
-        raise ValueError(f"look must be >= 1, got {look}")
-    return 1.0 - (1.0 - confidence) / (look * (look + 1))
-
-
 def verdicts(
     spec: PolicySpec,
     lane_queries: Sequence[LaneQueries],
     measurements: Mapping[str, Measurement],
     slices: Mapping[SliceKey, Slices] | None = None,
     history: Mapping[str, Sequence[Sequence[float]]] | None = None,
-    look: int = 1,
 ) -> tuple[LaneVerdict, ...]:
     """Turn raw measurements into per-lane verdicts (the canary is judged against the stable).
 
     ``slices``: bad events and requests per sub-window of this window by (track, lane,
     metric) (:func:`slice_counts`); ``history``: the canary's tally so far
     (``status.rollout.evidence``, keyed by :func:`tally_key`), which this window's slices
-    extend. The verdict is on the tally (:func:`judge`), at the confidence analysis number
-    ``look`` of the rollout needs (:func:`look_confidence`)."""
+    extend. The verdict is on the tally (:func:`judge`)."""
     sl = pooled(slices or {}, history or {})
-    confidence = look_confidence(spec.rollout.confidence, look)
     min_samples = spec.rollout.min_samples
     by_lane: dict[str, dict[str, list[MetricCheck]]] = {}
     for lq in lane_queries:
@@ -926,7 +903,7 @@ def verdicts(
             (judge_client_errors if c.metric == "clientErrors" else judge)(
                 c,
                 next((s for s in stable if s.metric == c.metric), None),
-                confidence,
+                spec.rollout.confidence,
                 sl.get(("canary", key, c.metric)),
                 sl.get(("stable", key, c.metric)),
             )
@@ -1110,11 +1087,9 @@ def run_analysis(
     now: datetime,
     history: Mapping[str, Sequence[Sequence[float]]] | None = None,
     environment: str | None = None,
-    look: int = 1,
 ) -> AnalysisResult:
     """Query the backend for every lane of both tracks, over the window and each of its
-    sub-windows, and judge the canary on its tally (``history`` extended by this window) as
-    analysis number ``look`` of its rollout (:func:`look_confidence`)."""
+    sub-windows, and judge the canary on its tally (``history`` extended by this window)."""
     lane_queries = plan_queries(
         spec,
         policy=policy,
@@ -1141,7 +1116,6 @@ def run_analysis(
         window=promql_window(spec.rollout.analysis_interval),
         canary_revision=canary_revision,
         stable_revision=stable_revision,
-        lanes=verdicts(spec, lane_queries, measurements, counts, history, look),
+        lanes=verdicts(spec, lane_queries, measurements, counts, history),
         tally=next_tally(counts, history or {}),
-        look=look,
     )

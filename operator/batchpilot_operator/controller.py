@@ -160,7 +160,6 @@ def reconcile(
             now=now,
             history=status.rollout.evidence if status.rollout is not None else None,
             environment=environment_of(body),
-            look=status.rollout.analyses + 1 if status.rollout is not None else 1,
         )
         if routing is not None:
             analysis = fairness.judge_load(

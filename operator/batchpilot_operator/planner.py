@@ -83,14 +83,7 @@ from dataclasses import dataclass, field
 from datetime import UTC, datetime, timedelta
 from typing import Literal
 
-from batchpilot_operator.analysis import (
-    AnalysisResult,
-    LaneVerdict,
-    MetricCheck,
-    Outcome,
-    format_value,
-    look_confidence,
-)
+from batchpilot_operator.analysis import AnalysisResult, LaneVerdict, MetricCheck, Outcome, format_value
 from batchpilot_operator.power import LIMIT, lane_detectable_regression
 from batchpilot_operator.spec import PolicySpec
 from batchpilot_operator.status import (
@@ -603,7 +596,6 @@ class _Planner:
             if r.metrics_error_since is None:
                 r.metrics_error_since = self.now
             return
-        r.analyses = max(r.analyses, a.look)  # a look that tested spends its share of alpha
         if r.metrics_error_since is not None:
             held = self.seconds_since(r.metrics_error_since)
             self.ledger("MetricsRestored", r.revision, reason=f"analysis {outcome.value}", evidence=f"after {held:g}s")
@@ -698,7 +690,7 @@ class _Planner:
                     rejected=_val(rej),
                     stable_rejected=_val(srej),
                     tenants=[_tenant_summary(sl) for sl in lane.slices] or None,
-                    **_detectable(lat, slat, look_confidence(self.spec.rollout.confidence, a.look)),
+                    **_detectable(lat, slat, self.spec.rollout.confidence),
                 )
             )
         self.st.last_analysis = AnalysisSummary(

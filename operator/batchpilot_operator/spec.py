@@ -177,10 +177,7 @@ class RolloutSpec(_Spec):
         le=0.9999,
         description=(
             "how sure the analysis must be before it blames the canary: that the canary is over its SLO budget"
-            " and worse than the stable over the same window (exact tests on the requests over the objective)."
-            " It holds for the whole rollout: analysis k needs 1 - (1 - confidence) / (k (k + 1)), so a canary as"
-            " good as the stable is blamed by an objective at most 1 - confidence of the time however many"
-            " analyses run"
+            " and worse than the stable over the same window (exact tests on the requests over the objective)"
         ),
     )
     max_inconclusive: SpecInt = Field(

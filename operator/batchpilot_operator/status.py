@@ -20,7 +20,7 @@ Wire shape (all keys camelCase; optional keys are omitted when empty)::
     stableReplicas / canaryReplicas: int (desired)
     paused: bool
     rollout: {revision, stepIndex, stepWeight, startedAt, stepEnteredAt, stepStartedAt,
-              failures, inconclusiveStreak, analyses, underfed, metricsErrorSince, lastAnalysisAt,
+              failures, inconclusiveStreak, underfed, metricsErrorSince, lastAnalysisAt,
               passedLanes, pausedAt}
     failedRevisions: [{revision, time, reason, evidence}]
     handledCommands: {promote|abort|retry|pause: <last handled annotation value>}
@@ -174,9 +174,6 @@ class RolloutState(_Model):
     )
     failures: int = 0
     inconclusive_streak: int = Field(default=0, alias="inconclusiveStreak")
-    analyses: int = Field(
-        default=0, description="analyses of this canary so far: the next one's confidence is spent by it"
-    )
     underfed: str | None = Field(
         default=None,
         description="why the last analysis could not pass the step: the canary fed below minCanaryLoadRatio "

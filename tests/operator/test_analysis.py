@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import itertools
 import math
 from collections.abc import Mapping, Sequence
 from datetime import UTC, datetime
@@ -22,7 +21,6 @@ from batchpilot_operator.analysis import (
     combine,
     counter_queries,
     judge,
-    look_confidence,
     plan_queries,
     promql_window,
     run_analysis,
@@ -273,7 +271,7 @@ def _table(**over: Row) -> dict[tuple[str, str, str], Row]:
     return base
 
 
-def _analyse(backend: MetricsBackend, spec: PolicySpec | None = None, look: int = 1) -> AnalysisResult:
+def _analyse(backend: MetricsBackend, spec: PolicySpec | None = None) -> AnalysisResult:
     return run_analysis(
         backend,
         spec or make_spec(lanes=2),
@@ -282,7 +280,6 @@ def _analyse(backend: MetricsBackend, spec: PolicySpec | None = None, look: int 
         canary_revision="c1",
         stable_revision="s0",
         now=NOW,
-        look=look,
     )
 
 
@@ -360,7 +357,7 @@ def test_stable_track_never_decides_alone() -> None:
     assert _analyse(DictBackend(table)).outcome is Outcome.SUCCESSFUL
 
 
-def _judged(canary: Row, stable: Row | None, confidence: float = 0.95, look: int = 1) -> Any:
+def _judged(canary: Row, stable: Row | None, confidence: float = 0.95) -> Any:
     spec = make_spec(lanes=2, confidence=confidence)
     over = {"canary__interactive__p99Latency": canary}
     if stable is not None:
@@ -368,7 +365,7 @@ def _judged(canary: Row, stable: Row | None, confidence: float = 0.95, look: int
     table = _table(**over)
     if stable is None:
         del table[("stable", "interactive", "p99Latency")]
-    check = _analyse(DictBackend(table), spec, look).lanes[0].check("p99Latency")
+    check = _analyse(DictBackend(table), spec).lanes[0].check("p99Latency")
     assert check is not None
     return check
 
@@ -426,33 +423,15 @@ def test_verdict_table(canary: Row, stable: Row | None, outcome: Outcome, why: s
             assert check.confidence_over_budget is not None and check.confidence_over_budget >= 0.95
 
 
-def test_confidence_is_the_policys_knob_spent_over_the_rollout() -> None:
+def test_confidence_is_the_policys_knob() -> None:
     # 12 of 300 over the SLO (4%) against 12 of 900 on the stable (1.3%): worse with ~99.6%
-    # confidence. The first analysis of a rollout needs 1 - (1 - c) / 2: Failed at the default
-    # 95% (needs 97.5%), Inconclusive at 99.9% (needs 99.95%).
+    # confidence. Failed at the default 95% and at 99%, Inconclusive at 99.9%.
     canary, stable = (0.3, 300.0, 12.0), (0.2, 900.0, 12.0)
-    first = _judged(canary, stable)
-    assert first.outcome is Outcome.FAILED
-    assert first.confidence_worse is not None and 0.99 < first.confidence_worse < 0.999
+    assert _judged(canary, stable).outcome is Outcome.FAILED
+    assert _judged(canary, stable, confidence=0.99).outcome is Outcome.FAILED
     strict = _judged(canary, stable, confidence=0.999)
-    assert strict.outcome is Outcome.INCONCLUSIVE and "needs 99.95% confidence" in strict.describe()
-    # The same evidence at the rollout's 10th analysis: alpha is spent over the looks (the 10th
-    # needs 1 - 0.05 / 110), so a canary is not failed on what one look in many shows by chance.
-    tenth = _judged(canary, stable, look=10)
-    assert tenth.outcome is Outcome.INCONCLUSIVE and "needs 99.95% confidence" in tenth.describe()
-    # ... while a clearly worse canary still fails there
-    assert _judged((0.5, 300.0, 75.0), (0.3, 900.0, 81.0), look=10).outcome is Outcome.FAILED
-
-
-def test_look_confidence_spends_alpha_over_any_number_of_looks() -> None:
-    for c in (0.9, 0.95, 0.99):
-        spent = [1 - look_confidence(c, k) for k in range(1, 10_001)]
-        assert spent[0] == pytest.approx((1 - c) / 2)
-        assert all(a > b for a, b in itertools.pairwise(spent))
-        assert sum(spent) <= 1 - c
-        assert sum(spent) == pytest.approx(1 - c, rel=1e-3)
-    with pytest.raises(ValueError):
-        look_confidence(0.95, 0)
+    assert strict.outcome is Outcome.INCONCLUSIVE and "needs 99.9% confidence" in strict.describe()
+    assert strict.confidence_worse is not None and 0.99 < strict.confidence_worse < 0.999
 
 
 def test_unreachable_backend_is_error() -> None:
