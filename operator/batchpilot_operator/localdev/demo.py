@@ -291,6 +291,9 @@ def progress_line(status: dict[str, Any]) -> str:
         if err is not None and eslo is not None:
             parts.append(f"errors {err * 100:.2g}%/{eslo * 100:.2g}%")
         parts.append(f"[{lane.get('outcome', '?')}]")
+        detectable = lane.get("detectableP99Regression")
+        if detectable is not None:
+            parts.append(f"detects p99 +{detectable:.0%}")
     stalled = [c for c in status.get("conditions", []) if c.get("type") == "Stalled" and c.get("status") == "True"]
     if stalled:
         parts.append(f"Stalled: {stalled[0].get('reason')}")
