@@ -197,8 +197,12 @@ class Supervisor:
             pass
         except BaseException as exc:
             code = 1
-            self.log(f"failed: {type(exc).__name__}: {exc}")
-            self.save(phase="failed", error=f"{type(exc).__name__}: {exc}")
+            detail = f"{type(exc).__name__}: {exc}"
+            if isinstance(exc, subprocess.CalledProcessError) and exc.stderr:
+                # what the command said: a failed `kubectl wait` is otherwise only its exit code
+                detail += f" ({str(exc.stderr).strip()[-500:]})"
+            self.log(f"failed: {detail}")
+            self.save(phase="failed", error=detail)
         finally:
             signal.signal(signal.SIGTERM, signal.SIG_IGN)  # a second `down` must not interrupt the stop
             self.log("stopping")
