@@ -196,10 +196,13 @@ def reconcile(
             pod_trouble=trouble,
         )
     )
-    writes = execute(kube, body, spec, decision, deployments, reader, route)
-    for event in decision.events:
-        emit(event.type, event.reason, event.message)
-    opmetrics.record(namespace, name, spec, decision)
+
+    def announce() -> None:
+        for event in decision.events:
+            emit(event.type, event.reason, event.message)
+        opmetrics.record(namespace, name, spec, decision)
+
+    writes = execute(kube, body, spec, decision, deployments, reader, route, announce)
     requeue = decision.requeue_after
     due = recommender.next_due(decision.status) if spec.tuning is not None else None
     if due is not None:  # the next spec.tuning recommendation is a due time too
@@ -216,14 +219,17 @@ def execute(
     deployments: dict[Track, Manifest | None],
     reader: ChildReader | None = None,
     route: Manifest | None = None,
+    announce: Callable[[], None] | None = None,
 ) -> int:
-    """Write the status, then make the children match the decision; count the writes.
+    """Write the status, announce it, then make the children match the decision; count the writes.
 
     The status goes first: it is the record of the decision (ledger, failure count, stable
     revision). A crash after it replays the same decision from it: the children converge
     and nothing is decided twice. (Children first, a crash before the status write would
     lose the decision: a rolled-back canary re-created, a counted failure forgotten, a
-    promotion's stable switch reverted and redone.) Writes are ordered so that no pod ever
+    promotion's stable switch reverted and redone.) ``announce`` (the decision's Events and
+    operator metrics) runs right after the status write: whoever sees a decision in the
+    status, or its effect on a child, finds its Event and its count already there. Writes are ordered so that no pod ever
     runs a revision whose ConfigMap is missing: ConfigMaps before the Deployments that mount
     them; a ConfigMap is deleted only once no Deployment, as observed, runs its revision.
     See ``crashpoints`` for the points the drills crash at.
@@ -243,6 +249,8 @@ def execute(
         kube.replace_status(namespace, name, meta["resourceVersion"], new_status)
         writes += 1
         status_written = True
+    if announce is not None:
+        announce()
     if status_written:
         if decision.analysis_outcomes:
             crashpoints.reached("analysis-recorded")

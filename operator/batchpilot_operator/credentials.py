@@ -70,8 +70,8 @@ def auth_failed(target: str, detail: str) -> None:
     """``target`` (``kubernetes``, ``prometheus``) rejected our credentials (HTTP 401/403)."""
     from batchpilot_operator import opmetrics
 
+    opmetrics.AUTH_OK.labels(target).set(0)  # first: whoever sees the error counted sees auth_ok 0
     opmetrics.AUTH_ERRORS.labels(target).inc()
-    opmetrics.AUTH_OK.labels(target).set(0)
     with _state_lock:
         was_ok = _state.get(target, True)
         _state[target] = False
