@@ -228,13 +228,14 @@ def test_canary_promotes_good_change_and_rolls_back_bad_one(scenario: Scenario) 
     figures["shedding_failed_metrics"] = sorted({e["metric"] for e in shed_failed})
 
     # Every step of the story is also an Event on the policy, for `kubectl describe`.
-    events = json.loads(
-        s.kube.kubectl(
+    def reasons() -> set[str]:
+        out = s.kube.kubectl(
             "get", "events", "-n", s.namespace, "--field-selector", "involvedObject.name=shop", "-o", "json"
         ).stdout
-    )["items"]
-    reasons = {e["reason"] for e in events}
-    assert {"CanaryStarted", "Promoted", "RolledBack", "Stalled", "MetricsRestored"} <= reasons, reasons
+        return {e["reason"] for e in json.loads(out)["items"]}
+
+    story = {"CanaryStarted", "Promoted", "RolledBack", "Stalled", "MetricsRestored"}
+    s.kube.wait_for(lambda: story <= reasons(), 10, f"the Events {sorted(story)}")
     sys.stderr.write(f"\n[e2e] {json.dumps(figures)}\n")
     if os.environ.get("BATCHPILOT_E2E_REPORT"):
         Path(os.environ["BATCHPILOT_E2E_REPORT"]).write_text(json.dumps(figures, indent=2))

@@ -108,10 +108,16 @@ def test_on_call_walks_a_rollout(
     command = next(e for e in reversed(st["ledger"]) if e["kind"] == "Command")
     assert command["reason"] == "abort" and command["evidence"] == out["by"] and out["by"].startswith("admin@")
     assert st["history"][-1]["outcome"] == "Aborted" and out["by"] in st["history"][-1]["evidence"]
-    events = yaml.safe_load(
-        kube.kubectl("get", "events", "-n", ns, "--field-selector", "involvedObject.name=ranker", "-o", "yaml").stdout
-    )["items"]
-    assert any(e["reason"] == "Aborted" and out["by"] in e["message"] for e in events)
+
+    def aborted_event() -> bool:
+        events = yaml.safe_load(
+            kube.kubectl(
+                "get", "events", "-n", ns, "--field-selector", "involvedObject.name=ranker", "-o", "yaml"
+            ).stdout
+        )["items"]
+        return any(e["reason"] == "Aborted" and out["by"] in e["message"] for e in events)
+
+    kube.wait_for(aborted_event, 10, "the Aborted Event naming who aborted")
 
     rolled = plugin.run("status", "ranker").stdout
     assert "RolledBack" in rolled and out["by"] in rolled

@@ -479,12 +479,13 @@ def test_operator_runs_with_only_its_role(
     kube.kubectl("annotate", "-n", ns, "batchingpolicy", "scorer", "batchpilot.dev/abort=test@2026-11-30T00:00:00Z")
     phase("RolledBack")
     kube.wait_for(lambda: kube.get("deployment", "scorer-canary", ns) is None, 60, "the canary Deployment deleted")
+
     # Events were posted on the policy.
-    events = kube.kubectl(
-        "get", "events", "-n", ns, "--field-selector", "involvedObject.name=scorer", "-o", "yaml"
-    ).stdout
-    reasons = {e["reason"] for e in yaml.safe_load(events)["items"]}
-    assert {"Initialized", "Aborted"} <= reasons, reasons
+    def reasons() -> set[str]:
+        out = kube.kubectl("get", "events", "-n", ns, "--field-selector", "involvedObject.name=scorer", "-o", "yaml")
+        return {e["reason"] for e in yaml.safe_load(out.stdout)["items"]}
+
+    kube.wait_for(lambda: {"Initialized", "Aborted"} <= reasons(), 10, "the Initialized and Aborted Events")
     # Deleting the policy: kopf removes its finalizer, children are garbage-collected.
     kube.kubectl("delete", "batchingpolicy", "scorer", "-n", ns, "--wait=false")
     kube.wait_for(lambda: kube.get("batchingpolicy", "scorer", ns) is None, 60, "the policy deleted")

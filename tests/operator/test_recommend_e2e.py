@@ -399,7 +399,12 @@ def test_settings_stale_is_raised_when_the_traffic_surges(setup: Setup) -> None:
     )["items"]
     breach = [e for e in events if e["message"].startswith(f"lane interactive: {BREACH_NOW}")]
     assert breach and breach[0]["involvedObject"]["name"] == "shop" and breach[0]["type"] == "Warning", events
-    assert s.op.metric("batchpilot_operator_settings_stale", policy="shop", reason=BREACH_NOW) == 1
+    # The gauge is set after the status write that carries the condition: it can trail it briefly.
+    s.kube.wait_for(
+        lambda: s.op.metric("batchpilot_operator_settings_stale", policy="shop", reason=BREACH_NOW) == 1,
+        10,
+        "the settings_stale gauge",
+    )
     # Advice only: the spec is what was applied.
     obj = s.kube.get("batchingpolicy", "shop", s.namespace)
     assert obj is not None and obj["metadata"]["generation"] == s.generation
