@@ -340,7 +340,7 @@ class Bench:
         prom = None
         try:
             cluster.kubectl("apply", "-f", str(CRD))
-            cluster.kubectl("wait", "--for=condition=Established", f"crd/{PLURAL}.{GROUP}", "--timeout=60s")
+            cluster.wait_established(f"{PLURAL}.{GROUP}")
             cluster.kubectl("create", "namespace", NS)
             prom = start_prometheus(self.workdir / "prom", [], scrape_interval="5s")
             api = config.new_client_from_config(config_file=str(cluster.kubeconfig))

@@ -151,9 +151,7 @@ class DrillStack:
         stack = cls(workdir, cluster)
         try:
             stack.kube.apply(CRD.read_text())
-            stack.kube.kubectl(
-                "wait", "--for=condition=Established", "crd/batchingpolicies.batchpilot.dev", "--timeout=60s"
-            )
+            stack.kube.wait_established("batchingpolicies.batchpilot.dev")
             stack.kube.kubectl("create", "namespace", stack.namespace)
             if runtime:
                 stack.prom = start_prometheus(workdir / "prom")

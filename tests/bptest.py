@@ -43,6 +43,12 @@ class Kube:
             raise AssertionError(f"kubectl {' '.join(args)} failed:\n{result.stderr}")
         return result
 
+    def wait_established(self, *crds: str, timeout: float = 60.0) -> None:
+        """Every named CRD Established (not ``kubectl wait``: see localdev.cluster.wait_established)."""
+        from batchpilot_operator.localdev.cluster import wait_established
+
+        wait_established([self.kubectl_bin, f"--kubeconfig={self.kubeconfig}"], list(crds), timeout)
+
     def apply(
         self, manifest: dict[str, Any] | str, *extra: str, check: bool = True
     ) -> subprocess.CompletedProcess[str]:

@@ -24,7 +24,7 @@ def kube(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Kube]:
     if external:
         kube = Kube(Path(external), os.environ.get("KUBECTL", "kubectl"), external=True)
         kube.apply(CRD.read_text())
-        kube.kubectl("wait", "--for=condition=Established", "crd/batchingpolicies.batchpilot.dev", "--timeout=60s")
+        kube.wait_established("batchingpolicies.batchpilot.dev")
         yield kube
         return
     from batchpilot_operator.localdev.cluster import LocalCluster
@@ -35,7 +35,7 @@ def kube(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Kube]:
     try:
         kube = Kube(cluster.kubeconfig, str(cluster.bin_dir / "kubectl"), external=False, audit_log=cluster.audit_log)
         kube.apply(CRD.read_text())
-        kube.kubectl("wait", "--for=condition=Established", "crd/batchingpolicies.batchpilot.dev", "--timeout=60s")
+        kube.wait_established("batchingpolicies.batchpilot.dev")
         yield kube
     finally:
         cluster.stop()

@@ -141,7 +141,7 @@ def main() -> int:
             kube = Kube(cluster.kubeconfig, str(cluster.bin_dir / "kubectl"), external=False)
         try:
             kube.apply(CRD.read_text())
-            kube.kubectl("wait", "--for=condition=Established", "crd/batchingpolicies.batchpilot.dev", "--timeout=60s")
+            kube.wait_established("batchingpolicies.batchpilot.dev")
             kube.kubectl("create", "namespace", "fixtures", check=False)
             cases = capture(kube, "fixtures", work)
         finally:

@@ -308,8 +308,7 @@ def installed(kube: Kube) -> Kube:
     assert "Warning" not in result.stderr, result.stderr
     if not kube.external:
         kube.kubectl("apply", "-f", str(FIXTURES / "thirdparty-crds.yaml"))
-        for crd in ("podmonitors.monitoring.coreos.com", "applications.argoproj.io"):
-            kube.kubectl("wait", "--for=condition=Established", f"crd/{crd}", "--timeout=60s")
+        kube.wait_established("podmonitors.monitoring.coreos.com", "applications.argoproj.io")
     return kube
 
 

@@ -211,6 +211,39 @@ status:
 """
 
 
+ESTABLISHED = '{.status.conditions[?(@.type=="Established")].status}'
+
+
+def wait_established(kubectl: list[str], crds: list[str], timeout: float = 60.0) -> None:
+    """Poll until every CRD in ``crds`` (by name) is Established; ``kubectl`` is its argv prefix.
+
+    Not ``kubectl wait --for=condition=Established``: a CRD created moments ago has
+    ``status.conditions: null`` until the apiserver's naming controller runs, and kubectl
+    (1.34) then fails at once (".status.conditions accessor error: <nil>") instead of waiting.
+    """
+    deadline = time.monotonic() + timeout
+    pending = list(crds)
+    last = ""
+    while True:
+        for crd in list(pending):
+            result = subprocess.run(
+                [*kubectl, "get", "crd", crd, "-o", f"jsonpath={ESTABLISHED}"],
+                capture_output=True,
+                text=True,
+                check=False,
+                timeout=30,
+            )
+            if result.returncode == 0 and result.stdout.strip() == "True":
+                pending.remove(crd)
+            else:
+                last = f"{crd}: {(result.stderr.strip() or repr(result.stdout.strip()))[-300:]}"
+        if not pending:
+            return
+        if time.monotonic() > deadline:
+            raise ClusterError(f"CRDs not Established after {timeout:g}s: {', '.join(pending)} (last: {last})")
+        time.sleep(0.2)
+
+
 @dataclass
 class LocalCluster:
     workdir: Path
@@ -501,6 +534,9 @@ class LocalCluster:
                 pass
             time.sleep(0.25)
         raise ClusterError(f"timed out after {timeout:.0f}s waiting for {what} (logs in {self.workdir / 'logs'})")
+
+    def wait_established(self, *crds: str, timeout: float = 60.0) -> None:
+        wait_established([str(self.bin_dir / "kubectl"), f"--kubeconfig={self.kubeconfig}"], list(crds), timeout)
 
     def kubectl(self, *args: str, input: str | None = None, check: bool = True) -> str:
         result = subprocess.run(

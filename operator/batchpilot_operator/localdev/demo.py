@@ -83,7 +83,7 @@ class Demo:
         self.cluster = LocalCluster.start(self.workdir / "cluster", gpu_nodes=2)
         self.say(f"control plane up in {self.cluster.started_in:.1f}s; kubeconfig: {self.cluster.kubeconfig}")
         self.kubectl("apply", "-f", str(REPO_ROOT / "crds" / "batchingpolicy.yaml"))
-        self.kubectl("wait", "--for=condition=Established", "crd/batchingpolicies.batchpilot.dev", "--timeout=60s")
+        self.cluster.wait_established("batchingpolicies.batchpilot.dev")
         self.kubectl("create", "namespace", NAMESPACE)
         self.prom = PrometheusServer(self.workdir / "prometheus", scrape_interval="1s")
         self.prom.start()

@@ -55,7 +55,7 @@ import yaml
 
 from batchpilot_operator.children import LABEL_POLICY, LABEL_TRACK
 from batchpilot_operator.localdev import free_port
-from batchpilot_operator.localdev.cluster import REPO_ROOT
+from batchpilot_operator.localdev.cluster import REPO_ROOT, wait_established
 from batchpilot_operator.localdev.harness import RuntimeProcess
 
 DEFAULT_BIN_DIR = REPO_ROOT / ".cache" / "contour-bin"
@@ -109,11 +109,7 @@ def install_crds(kubectl: list[str]) -> None:
             check=True,
             capture_output=True,
         )
-    subprocess.run(
-        [*kubectl, "wait", "--for=condition=Established", "--timeout=120s", "crd/httproutes.gateway.networking.k8s.io"],
-        check=True,
-        capture_output=True,
-    )
+    wait_established(kubectl, ["httproutes.gateway.networking.k8s.io"], timeout=120)
 
 
 # --------------------------------------------------------------------------- track proxy

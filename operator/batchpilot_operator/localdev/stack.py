@@ -224,7 +224,7 @@ class Supervisor:
         self.cluster = LocalCluster.start(self.workdir / "cluster", gpu_nodes=2)
         self.save(kubeconfig=str(self.cluster.kubeconfig), kubectl=str(self.cluster.bin_dir / "kubectl"))
         self.cluster.kubectl("apply", "-f", str(REPO_ROOT / "crds" / "batchingpolicy.yaml"))
-        self.cluster.kubectl("wait", "--for=condition=Established", f"crd/{CRD_NAME}", "--timeout=60s")
+        self.cluster.wait_established(CRD_NAME)
         if self.cluster.kubectl("get", "namespace", self.namespace, "--ignore-not-found", "-o", "name") == "":
             self.cluster.kubectl("create", "namespace", self.namespace)
         self.log("starting Prometheus")
