@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import importlib
 import itertools
-from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -30,32 +29,14 @@ import torch
 from torch import nn
 
 from batchpilot_runtime.config import ModelConfig
+from batchpilot_runtime.tensors import DATATYPES, TensorSpec
 
 SEED = 0
-DATATYPES: dict[str, Any] = {"FP32": np.float32, "INT64": np.int64, "FP16": np.float16, "INT32": np.int32}
 TORCH_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 
 TRANSFORMER_SEQ = 64
 TRANSFORMER_VOCAB = 8192
 TRANSFORMER_D = 256
-
-
-@dataclass(frozen=True)
-class TensorSpec:
-    name: str
-    datatype: str
-    shape: tuple[int, ...]  # with -1 as the batch dimension
-
-    @property
-    def row_shape(self) -> tuple[int, ...]:
-        return self.shape[1:]
-
-    @property
-    def numpy_dtype(self) -> Any:
-        return DATATYPES[self.datatype]
-
-    def as_json(self) -> dict[str, Any]:
-        return {"name": self.name, "datatype": self.datatype, "shape": list(self.shape)}
 
 
 def _mlp(widths: list[int]) -> nn.Module:
@@ -161,6 +142,18 @@ class LoadedModel:
     def device_name(self) -> str:
         return str(self.device.type)
 
+    @property
+    def alive(self) -> bool:
+        return True
+
+    def close(self) -> None:
+        """Nothing to stop: the model lives in this process."""
+
+    @property
+    def threads(self) -> int | None:
+        """torch's intra-op threads on a CPU device; None on an accelerator."""
+        return torch.get_num_threads() if self.device.type == "cpu" else None
+
     def run(self, x: np.ndarray[Any, Any]) -> np.ndarray[Any, Any]:
         with torch.inference_mode():
             t = torch.from_numpy(x)
@@ -183,15 +176,3 @@ class LoadedModel:
             y = self.run(self.example(rows))
             self.warmed.append(rows)
         self.output = TensorSpec("output", "FP32", (-1, *y.shape[1:]))
-
-
-def warmup_sizes(max_batch_sizes: list[int]) -> list[int]:
-    """Batch sizes to warm: every size up to 16, then powers of two, and each lane's maximum."""
-    top = max(max_batch_sizes)
-    sizes = set(range(1, min(top, 16) + 1))
-    p = 32
-    while p < top:
-        sizes.add(p)
-        p *= 2
-    sizes.update(max_batch_sizes)
-    return sorted(sizes)

@@ -18,7 +18,7 @@ from typing import Any
 import numpy as np
 import orjson
 
-from batchpilot_runtime.models import TensorSpec
+from batchpilot_runtime.tensors import TensorSpec
 
 BINARY_HEADER = "Inference-Header-Content-Length"
 _ALLOWED_KINDS = {"FP32": "fiu", "FP16": "fiu", "INT64": "iu", "INT32": "iu"}

@@ -10,7 +10,8 @@ import pytest
 import torch
 
 from batchpilot_runtime.config import ModelConfig
-from batchpilot_runtime.models import LoadedModel, build_builtin, warmup_sizes
+from batchpilot_runtime.models import LoadedModel, build_builtin
+from batchpilot_runtime.tensors import warmup_sizes
 
 sys.path.insert(0, str(Path(__file__).parent))
 
