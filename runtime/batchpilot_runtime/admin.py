@@ -78,12 +78,7 @@ def add_routes(app: web.Application, rt: Any) -> None:
         model = rt.model
         if model is None:
             return _error(503, "model is loading: no profile yet")
-        threads: int | None = None
-        if model.device.type == "cpu":
-            import torch
-
-            threads = torch.get_num_threads()
-        doc = rt.capture.profile_doc(model.device_name, threads)
+        doc = rt.capture.profile_doc(model.device_name, model.threads)
         if request.query.get("format") == "yaml":
             return web.Response(text=yaml.safe_dump(doc, sort_keys=False), content_type="application/yaml")
         return web.Response(body=orjson.dumps(doc), content_type=JSON)

@@ -7,10 +7,12 @@ Two layers:
   next (priority without starvation), and which requests form a batch. It holds no lock and
   starts no thread, so unit tests drive it with a fake clock and the tuner's simulator drives
   it on a simulated one. The dispatch rule and lane choice are described there.
-* :class:`BatchWorker` owns one thread that runs the model. After each forward pass it takes
-  the next ready batch straight from the scheduler (under a lock) and runs it, so there is no
-  event-loop hop between batches: while one batch runs, the lane queues keep filling, and the
-  next batch is cut the moment the model is free (adaptive batch size under load).
+* :class:`BatchWorker` owns one thread that runs the model's batches (the model itself lives in
+  its own process, :mod:`batchpilot_runtime.modelproc`, unless ``model.isolation: thread``).
+  After each forward pass it takes the next ready batch straight from the scheduler (under a
+  lock) and runs it, so there is no event-loop hop between batches: while one batch runs, the
+  lane queues keep filling, and the next batch is cut the moment the model is free (adaptive
+  batch size under load).
 """
 
 from __future__ import annotations

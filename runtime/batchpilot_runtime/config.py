@@ -143,6 +143,11 @@ class ModelConfig(_Model):
     device: Literal["auto", "cpu", "cuda"] = "auto"
     dtype: Literal["float32", "float16", "bfloat16"] = "float32"
     threads: int | None = Field(default=None, ge=1, le=256, description="torch intra-op threads on CPU")
+    isolation: Literal["process", "thread"] = Field(
+        default="process",
+        description="process: the model runs in its own process (its latency is not the HTTP loop's); "
+        "thread: in the server's interpreter, beside the loop (bench/model_isolation.py compares them)",
+    )
 
 
 TENANT_HEADER = "X-Batchpilot-Tenant"

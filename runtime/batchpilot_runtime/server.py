@@ -3,7 +3,7 @@
 Run: ``python -m batchpilot_runtime.server --config config.json [--host H] [--port N] [--track T]``.
 
 Lifecycle: the HTTP listener starts first (liveness answers at once), then the model is loaded
-and warmed at each batch size (:func:`batchpilot_runtime.models.warmup_sizes`); only then does
+and warmed at each batch size (:func:`batchpilot_runtime.tensors.warmup_sizes`); only then does
 readiness turn 200. On SIGTERM (or SIGINT) readiness turns 503, new infer requests get 503,
 queued and running batches are flushed (windows no longer wait) and answered, and the process
 exits 0 once every admitted request has its response, or when ``drainTimeout`` passes (then
@@ -34,7 +34,7 @@ from batchpilot_runtime.batcher import BatchWorker
 from batchpilot_runtime.capture import WARMUP_PASSES, Capture, capture_bounds_from_env
 from batchpilot_runtime.config import RuntimeConfig, load_config
 from batchpilot_runtime.metrics import CONTENT_TYPE, UNKNOWN_LANE, Metrics
-from batchpilot_runtime.models import LoadedModel, TensorSpec, warmup_sizes
+from batchpilot_runtime.modelproc import ModelProcess
 from batchpilot_runtime.protocol import (
     BINARY_HEADER,
     InvalidRequest,
@@ -44,6 +44,7 @@ from batchpilot_runtime.protocol import (
 )
 from batchpilot_runtime.scheduler import Batch, Pending, QueueFull, State
 from batchpilot_runtime.shedding import RetryAfter
+from batchpilot_runtime.tensors import ServedModel, TensorSpec, warmup_sizes
 
 log = logging.getLogger("batchpilot.runtime")
 
@@ -101,7 +102,7 @@ class Runtime:
         self.lane_index = {name: i for i, name in enumerate(self.lane_names)}
         self.default_lane = cfg.default_lane_name
         self.tenant_cfg = cfg.tenant_config
-        self.model: LoadedModel | None = None
+        self.model: ServedModel | None = None
         self.worker: BatchWorker | None = None
         self.metrics: Metrics | None = None
         self.ready = False
@@ -118,9 +119,16 @@ class Runtime:
     # -- startup -----------------------------------------------------------------------------
     def load(self) -> None:
         """Load and warm the model (runs in a thread while liveness already answers)."""
-        model = LoadedModel(self.cfg.model)
         sizes = warmup_sizes([lane.max_batch_size for lane in self.cfg.lanes])
-        model.warmup(sizes)
+        model: ServedModel
+        if self.cfg.model.isolation == "process":
+            model = ModelProcess(self.cfg.model, sizes)
+        else:
+            from batchpilot_runtime.models import LoadedModel  # torch: only where the model runs
+
+            loaded = LoadedModel(self.cfg.model)
+            loaded.warmup(sizes)
+            model = loaded
         admin.profile_warmup(model, sizes, WARMUP_PASSES, self.capture.profile)
         self.model = model
 
@@ -184,7 +192,7 @@ class Runtime:
             msg = (
                 f"model execution failed for this request's batch ({batch.rows} rows, "
                 f"{len(batch.requests)} requests, lane {batch.lane.name!r}): "
-                f"{type(error).__name__}: {error}"
+                f"{getattr(error, 'kind', type(error).__name__)}: {error}"
             )
             for r in batch.requests:
                 if not r.future.done():
@@ -232,6 +240,8 @@ class Runtime:
 
     # -- handlers ------------------------------------------------------------------------------
     async def live(self, request: web.Request) -> web.Response:
+        if self.model is not None and not self.model.alive:  # restart me: no batch can run
+            return _json_response(500, "the model process exited; restart the server")
         return web.Response(body=b'{"live":true}', content_type=JSON)
 
     async def health_ready(self, request: web.Request) -> web.Response:
@@ -567,6 +577,8 @@ async def serve(cfg: RuntimeConfig, host: str, port: int, track: str, loop_nice:
     await runner.cleanup()
     if rt.worker is not None:
         rt.worker.join(timeout=5.0)
+    if rt.model is not None:
+        rt.model.close()
     log.info("stopped")
     return code
 

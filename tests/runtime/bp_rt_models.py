@@ -6,7 +6,7 @@
 * blocks while the file ``$BP_TEST_GATE`` exists (bounded: 60 s), so tests can hold the
   model busy and build queues deterministically;
 * raises on a row whose first element is -12345 (the whole batch fails, nothing else);
-* writes the niceness of the thread it runs on to ``$BP_TEST_NICE`` (the server's model thread).
+* writes the niceness of the thread it runs on to ``$BP_TEST_NICE`` (the model process's).
 """
 
 from __future__ import annotations

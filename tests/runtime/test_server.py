@@ -88,13 +88,13 @@ async def test_health_and_metadata(server: Server) -> None:
     assert server.get("/v2/models/nope")[0] == 404
 
 
-async def test_event_loop_runs_below_the_model_thread(server: Server, session: Any) -> None:
+async def test_event_loop_runs_below_the_model(server: Server, session: Any) -> None:
     """The event loop (the process's main thread) at BATCHPILOT_LOOP_NICE (10) above the model
-    thread, which keeps the niceness the server started with (this test's)."""
+    (its process), which keeps the niceness the server started with (this test's)."""
     base = os.getpriority(os.PRIO_PROCESS, 0)
     status, _ = await infer(session, server, body([3]), "background")
     assert status == 200
-    assert int(server.nice_path.read_text()) == base, "the model thread runs at the server's own priority"
+    assert int(server.nice_path.read_text()) == base, "the model runs at the server's own priority"
     assert os.getpriority(os.PRIO_PROCESS, server.proc.pid) == min(base + 10, 19), "the event loop runs below it"
 
 
