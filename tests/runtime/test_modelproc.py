@@ -95,7 +95,6 @@ def _model_process(pid: int) -> int:
     return model
 
 
-@pytest.mark.skipif(not Path("/proc/self/task").exists(), reason="needs Linux /proc")
 def test_server_runs_the_model_apart_and_is_not_live_without_it(tmp_path: Path) -> None:
     import json
     import urllib.request
