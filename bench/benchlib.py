@@ -213,6 +213,41 @@ def wait_http(url: str, timeout: float, proc: subprocess.Popen[Any] | None = Non
     raise RuntimeError(f"{url} not ready after {timeout}s")
 
 
+def start_runtime_server(
+    cfg: dict[str, Any],
+    workdir: Path,
+    name: str,
+    threads: int = 1,
+    env: dict[str, str | None] | None = None,
+    ready_timeout: float = 300.0,
+) -> tuple[subprocess.Popen[Any], str]:
+    """The runtime (this checkout's) with config ``cfg`` on a free loopback port, in a session of
+    its own, logging to ``workdir/<name>.log``; returns once ready: (process, base URL).
+    ``env``: extra variables for the server (None removes one)."""
+    port = free_port()
+    path = workdir / f"{name}.json"
+    path.write_text(json.dumps(cfg))
+    server_env = dict(os.environ, PYTHONPATH=str(REPO / "runtime"), OMP_NUM_THREADS=str(threads))
+    for key, value in (env or {}).items():
+        if value is None:
+            server_env.pop(key, None)
+        else:
+            server_env[key] = value
+    with (workdir / f"{name}.log").open("a") as logf:
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "batchpilot_runtime.server", "--config", str(path), "--port", str(port),
+             "--log-level", "WARNING"],
+            env=server_env, stdout=logf, stderr=subprocess.STDOUT, start_new_session=True,
+        )  # fmt: skip
+    base = f"http://127.0.0.1:{port}"
+    try:
+        wait_http(base + "/v2/health/ready", ready_timeout, proc)
+    except BaseException:
+        stop_process(proc)
+        raise
+    return proc, base
+
+
 def stop_process(proc: subprocess.Popen[Any], grace: float = 20.0) -> None:
     """SIGTERM the server itself (graceful), then its process group if it lingers."""
     if proc.poll() is not None:

@@ -21,7 +21,6 @@ import argparse
 import json
 import os
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
@@ -31,7 +30,7 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from benchlib import REPO, closed_loop, free_port, mlp_body, stop_process, wait_http
+from benchlib import REPO, closed_loop, mlp_body, start_runtime_server, stop_process
 
 sys.path.insert(0, str(REPO / "runtime"))
 
@@ -87,23 +86,12 @@ def process_cpu_seconds(pid: int) -> float:
 
 
 def run_round(capture_on: bool, duration: float, concurrency: int, tmp: Path, body: str) -> dict[str, Any]:
-    port = free_port()
-    path = tmp / "config.json"
-    path.write_text(json.dumps(config(16)))
-    env = dict(os.environ, PYTHONPATH=str(REPO / "runtime"), OMP_NUM_THREADS="1")
-    if not capture_on:
-        env["BATCHPILOT_ARRIVAL_CAPACITY"] = "0"
-    else:
-        env.pop("BATCHPILOT_ARRIVAL_CAPACITY", None)
-    logf = (tmp / f"runtime-{'on' if capture_on else 'off'}.log").open("w")
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "batchpilot_runtime.server", "--config", str(path), "--port", str(port),
-         "--log-level", "WARNING"],
-        env=env, stdout=logf, stderr=subprocess.STDOUT, start_new_session=True,
-    )  # fmt: skip
-    base = f"http://127.0.0.1:{port}"
+    # capture off: a ring of 0 arrivals; on: the default ring (the variable unset)
+    capacity = None if capture_on else "0"
+    proc, base = start_runtime_server(
+        config(16), tmp, f"runtime-{'on' if capture_on else 'off'}", 1, {"BATCHPILOT_ARRIVAL_CAPACITY": capacity}
+    )
     try:
-        wait_http(base + "/v2/health/ready", 120, proc)
         url = base + "/v2/models/m/infer"
         closed_loop(url, body, concurrency, 1.5)  # warm-up
         cpu0 = process_cpu_seconds(proc.pid)
@@ -118,7 +106,6 @@ def run_round(capture_on: bool, duration: float, concurrency: int, tmp: Path, bo
             held = doc["lanes"][0]["held"]
     finally:
         stop_process(proc)
-        logf.close()
     return {
         "capture": "on" if capture_on else "off",
         "rows_per_s": res["ok_per_s"],

@@ -43,14 +43,13 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from benchlib import (
     REPO,
     closed_loop,
-    free_port,
     mlp_body,
     model_ceiling,
     open_loop,
     run_loadgen,
+    start_runtime_server,
     stop_process,
     transformer_body,
-    wait_http,
 )
 
 sys.path.insert(0, str(REPO / "runtime"))
@@ -67,7 +66,6 @@ def log(msg: str) -> None:
 def start(
     source: str, mode: str, max_batch: int, window: str, threads: int, tmp: Path
 ) -> tuple[subprocess.Popen[Any], str]:
-    port = free_port()
     cfg = {
         "revision": f"iso-{mode}",
         "model": {"name": "m", "source": source, "device": "cpu", "threads": threads, "isolation": mode},
@@ -79,20 +77,7 @@ def start(
         ],
         "drainTimeout": "10s",
     }  # fmt: skip
-    path = tmp / f"runtime-{mode}.json"
-    path.write_text(json.dumps(cfg))
-    env = dict(os.environ)
-    env["PYTHONPATH"] = str(REPO / "runtime")
-    env["OMP_NUM_THREADS"] = str(threads)
-    logf = (tmp / f"runtime-{mode}.log").open("a")
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "batchpilot_runtime.server", "--config", str(path), "--port", str(port),
-         "--log-level", "WARNING"],
-        env=env, stdout=logf, stderr=subprocess.STDOUT, start_new_session=True,
-    )  # fmt: skip
-    base = f"http://127.0.0.1:{port}"
-    wait_http(base + "/v2/health/ready", 300, proc)
-    return proc, base
+    return start_runtime_server(cfg, tmp, f"runtime-{mode}", threads)
 
 
 def quantiles(xs: list[float]) -> dict[str, float]:

@@ -32,12 +32,11 @@ from benchlib import (
     REPO,
     SLO_MS,
     closed_loop,
-    free_port,
     goodput_search,
     mlp_body,
     open_loop,
+    start_runtime_server,
     stop_process,
-    wait_http,
 )
 
 
@@ -48,7 +47,6 @@ def log(msg: str) -> None:
 def start_runtime(
     source: str, max_batch: int, window: str, threads: int, device: str, tmp: Path, queue: int = 4096
 ) -> tuple[subprocess.Popen[Any], str, str]:
-    port = free_port()
     cfg = {
         "revision": f"bench-b{max_batch}",
         "model": {"name": "m", "source": source, "device": device, "threads": threads},
@@ -60,19 +58,7 @@ def start_runtime(
         ],
         "drainTimeout": "10s",
     }  # fmt: skip
-    path = tmp / f"runtime-b{max_batch}.json"
-    path.write_text(json.dumps(cfg))
-    env = dict(os.environ)
-    env["PYTHONPATH"] = str(REPO / "runtime")
-    env["OMP_NUM_THREADS"] = str(threads)
-    logf = (tmp / f"runtime-b{max_batch}.log").open("w")
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "batchpilot_runtime.server", "--config", str(path), "--port", str(port),
-         "--log-level", "WARNING"],
-        env=env, stdout=logf, stderr=subprocess.STDOUT, start_new_session=True,
-    )  # fmt: skip
-    base = f"http://127.0.0.1:{port}"
-    wait_http(base + "/v2/health/ready", 300, proc)
+    proc, base = start_runtime_server(cfg, tmp, f"runtime-b{max_batch}", threads)
     return proc, base + "/v2/models/m/infer", base + "/metrics"
 
 
