@@ -127,10 +127,12 @@ def test_server_runs_the_model_apart_and_is_not_live_without_it(tmp_path: Path) 
 
 def test_the_model_process_ends_with_the_server(tmp_path: Path) -> None:
     srv = Server(tmp_path, [lane("a", 4, "1ms", 20, "20s")])
-    child = _model_process(srv.proc.pid)
-    srv.proc.kill()  # no drain, no close: the pipe's end is what the child sees
-    srv.proc.wait(10)
-    srv.stop()
+    try:
+        child = _model_process(srv.proc.pid)
+        srv.proc.kill()  # no drain, no close: the pipe's end is what the child sees
+        srv.proc.wait(10)
+    finally:
+        srv.stop()
 
     def gone() -> bool:
         try:
