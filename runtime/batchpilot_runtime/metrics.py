@@ -107,7 +107,7 @@ class Metrics:
         self.cut_delay = Histogram(
             "batchpilot_batch_cut_delay_seconds",
             "How long after max(window expiry or batch full, model free) a batch was cut: the "
-            "load-dependent delay before dispatch (event loop and model thread sharing cores)",
+            "load-dependent delay before dispatch (event loop and worker thread sharing cores and the GIL)",
             labels, buckets=LATENCY_BUCKETS, registry=r,
         )  # fmt: skip
         self.requests = Counter(
