@@ -33,7 +33,7 @@ ExpireFn = Callable[[list[Pending]], None]
 
 
 class BatchWorker:
-    """The model thread: waits for a ready lane, cuts a batch, runs it, hands results back.
+    """The worker thread: waits for a ready lane, cuts a batch, runs it on the model, hands results back.
 
     ``deliver(batch, output, error, exec_seconds)`` and ``expire(requests)`` are called on the
     worker thread; they must hand off to the event loop themselves (``call_soon_threadsafe``).

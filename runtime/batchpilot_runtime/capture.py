@@ -12,7 +12,7 @@
   the pod really runs on.
 * :class:`CutDelay`: how late each batch was cut compared with the dispatch rule
   (``max(due, model free)``, what the tuner's simulator assumes): the load-dependent delay
-  when the event loop and the model thread share few cores. Exported as the histogram
+  when the event loop and the worker thread share few cores. Exported as the histogram
   ``batchpilot_batch_cut_delay_seconds`` and summarised in the arrivals document.
 * :class:`Capture`: one per runtime process; serves ``GET /admin/arrivals`` and
   ``GET /admin/profile`` on the metrics/admin side (next to ``/metrics``, not under ``/v2``).
@@ -129,7 +129,7 @@ class LiveProfile:
         self.warmup: dict[int, list[float]] = {}
         self.live: dict[int, deque[float]] = {}
         self.live_batches = 0
-        self._lock = threading.Lock()  # the model thread adds, the event loop reads
+        self._lock = threading.Lock()  # the worker thread adds, the event loop reads
 
     def add_warmup(self, rows: int, seconds: float) -> None:
         with self._lock:

@@ -65,13 +65,14 @@ _SHUTDOWN = 3
 
 
 LOOP_NICE = 10
-"""The event loop's niceness above the model thread's (``BATCHPILOT_LOOP_NICE``; 0 turns it off)."""
+"""The event loop's niceness above the model's (``BATCHPILOT_LOOP_NICE``; 0 turns it off)."""
 
 
 def deprioritize_this_thread(nice: int) -> None:
     """Lower the calling thread's CPU priority by ``nice`` (Linux: a thread's own niceness).
 
-    The event loop runs below the model thread. When the two share a core (a CPU model, or a
+    The event loop runs below the model (its process, or its thread under ``isolation: thread``)
+    and the worker thread. When they share a core (a CPU model, or a
     host with fewer cores than threads) and clients retry every 429 at once, the rejections
     would otherwise take half of that core from the forward passes (CFS shares it evenly between
     runnable threads): drill 8 measured 58-60% of the capacity left as goodput. At nice 10 the
@@ -603,8 +604,8 @@ def main(argv: list[str] | None = None) -> int:
     cfg = load_config(args.config)
     track = args.track or os.environ.get("BATCHPILOT_TRACK") or cfg.track
     port = args.port if args.port is not None else cfg.port
-    # The model thread needs the GIL briefly between torch ops; with the default 5 ms switch
-    # interval a busy event loop can hold it that long at every op of every forward pass.
+    # The worker thread needs the GIL briefly for each batch (and under isolation: thread, the model
+    # between torch ops); with the default 5 ms switch interval a busy event loop holds it that long.
     sys.setswitchinterval(float(os.environ.get("BATCHPILOT_SWITCH_INTERVAL", "0.0002")))
     runner: Any = asyncio.run
     with contextlib.suppress(ImportError):  # optional: a faster event loop when installed
