@@ -13,9 +13,9 @@ For each isolation mode (``thread``: the model beside the aiohttp loop, as befor
 * **saturation**: closed loop with ``4 x max batch`` outstanding; rows/s against the model-only
   ceiling at the max batch size measured just before in this process (``benchlib.model_ceiling``);
 * **forward passes at 85% of saturation**: a fresh server, open-loop Poisson at 0.85 x that
-  mode's saturation rate; the forward times the server recorded per batch size
-  (``/admin/profile``, live batches), and p99/p50 at each size with enough samples, against the
-  idle p99/p50 at the same size.
+  mode's saturation rate (or ``--rate``, the same for both modes); the forward times the server
+  recorded per batch size (``/admin/profile``, live batches), and p99/p50 at each size with
+  enough samples, against the idle p99/p50 at the same size.
 
 Targets (issue 21): loaded p99/p50 within 1.3x of idle p99/p50; saturation >= 0.9 of the
 ceiling; batch-1 latency at low load no more than 10% worse than the thread mode.
@@ -186,11 +186,12 @@ def one_mode(mode: str, args: argparse.Namespace, tmp: Path) -> dict[str, Any]:
     finally:
         stop_process(proc)
 
-    rate = 0.85 * float(row["saturation"]["rows_per_s"])
+    # 85% of this mode's own saturation, or one rate for both modes (--rate: like for like)
+    rate = args.rate or 0.85 * float(row["saturation"]["rows_per_s"])
     proc, base = start(source, mode, args.max_batch, args.window, args.threads, tmp)  # a fresh live profile
     url = base + "/v2/models/m/infer"
     try:
-        log(f"{mode}: open loop at 85% of saturation ({rate:.0f}/s), {args.noise} noise clients")
+        log(f"{mode}: loaded phase at {rate:.0f}/s, {args.noise} noise clients")
         loaded, noise = with_noise(
             url, args.noise, args.duration, lambda: open_loop(url, body, "poisson", rate, args.duration)
         )
@@ -227,6 +228,7 @@ def main() -> None:
     p.add_argument("--duration", type=float, default=15.0)
     p.add_argument("--idle-seconds", type=float, default=1.5)
     p.add_argument("--min-batches", type=int, default=50)
+    p.add_argument("--rate", type=float, default=None, help="req/s of the loaded phase for both modes")
     p.add_argument(
         "--noise", type=int, default=0, help="closed-loop clients sending big requests that are refused (400)"
     )
@@ -259,6 +261,7 @@ def main() -> None:
             "window": args.window,
             "threads": args.threads,
             "noise": args.noise,
+            "rate": args.rate,
         },
         "targets": {
             "loaded_spread_over_idle_max": 1.3,
