@@ -143,22 +143,30 @@ class ModelProcess:
             raise RemoteModelError(reply[1], reply[2])
 
     def close(self, timeout: float = 5.0) -> None:
-        """Stop the child (end of pipe), wait for it, free the buffers."""
-        with self._lock:
+        """Stop the child (end of pipe), wait for it, free the buffers.
+
+        A batch still running (a hung model) holds the lock: after ``timeout`` the child is
+        killed instead of asked."""
+        asked = self._lock.acquire(timeout=timeout)
+        try:
             if self._gone is None:
                 self._gone = "the model process was stopped"
-            with contextlib.suppress(OSError, ValueError):
-                self._conn.send(("stop",))
-            self._conn.close()
-        self._proc.join(timeout)
+            if asked:
+                with contextlib.suppress(OSError, ValueError):
+                    self._conn.send(("stop",))
+                self._conn.close()
+        finally:
+            if asked:
+                self._lock.release()
+        self._proc.join(timeout if asked else 0)
         if self._proc.is_alive():
             self._proc.kill()
             self._proc.join(timeout)
-        for shm in (self._in, self._out):
+        for shm in (self._in, self._out, *(self._retired or ())):
             if shm is not None:
                 shm.close()
                 shm.unlink()
-        self._in = self._out = None
+        self._in = self._out = self._retired = None
 
     # -- internals ---------------------------------------------------------------------------
     def _grow(self, rows: int) -> tuple[str, str, int]:

@@ -84,6 +84,32 @@ def test_a_dead_model_process_fails_batches_clearly_and_frees_its_memory() -> No
     assert not any(Path("/dev/shm", n.lstrip("/")).exists() for n in names)
 
 
+def test_close_kills_a_model_stuck_in_a_batch(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A hung forward pass cannot hold the server's stop: after the timeout the child is killed,
+    and the stuck batch fails instead of waiting for ever."""
+    import threading
+
+    gate = tmp_path / "gate"
+    monkeypatch.setenv("BP_TEST_GATE", str(gate))  # the test model blocks while this file exists
+    m = ModelProcess(TEST_MODEL, [1])
+    gate.write_text("closed")
+    failure: list[BaseException] = []
+
+    def stuck() -> None:
+        try:
+            m.run(rows(1, 0))
+        except BaseException as exc:
+            failure.append(exc)
+
+    t = threading.Thread(target=stuck)
+    t.start()
+    wait_for(lambda: m._lock.locked(), 10, "the batch under way")
+    m.close(timeout=0.5)
+    t.join(10)
+    assert not t.is_alive() and not m.alive
+    assert len(failure) == 1 and isinstance(failure[0], ModelProcessGone), failure
+
+
 def _model_process(pid: int) -> int:
     """The server's model process (its other child is multiprocessing's resource tracker)."""
     found: list[int] = []
