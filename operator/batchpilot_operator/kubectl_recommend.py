@@ -5,7 +5,9 @@ through the apiserver's pod proxy (``/admin/arrivals``, ``/admin/profile`` of th
 merges them, and runs the tuner (``batchpilot tune``'s search and simulator) for each lane
 against the lane's SLO. Prints the observed traffic (rate, burstiness), the current setting's
 predicted p99 / queue age / capacity at the observed traffic and at a planned growth, the
-recommended setting with the same predictions, and an RFC 6902 patch ready for Git. It never
+recommended setting with the same predictions, the model's measured error (its p99 for the
+window's own arrivals against the pods' recorded p99, after the operator's earlier checks in
+``status.recommendation.calibration``), and an RFC 6902 patch ready for Git. It never
 edits the policy: commit the patch, and the canary checks the prediction on real traffic.
 
 RBAC: ``get`` on ``batchingpolicies.batchpilot.dev``, ``list`` on ``pods`` and ``get`` on
@@ -24,6 +26,7 @@ from rich.table import Table
 from rich.text import Text
 
 from batchpilot_operator.spec import KIND, parse_spec
+from batchpilot_operator.tune.calibration import calibrations_from_status
 from batchpilot_operator.tune.live import recommend_policy
 from batchpilot_runtime.config import parse_duration
 
@@ -71,6 +74,8 @@ def cmd_recommend(cluster: Any, args: argparse.Namespace, console: Console) -> i
             rate=args.rate,
             lanes=args.lane,
             pod_errors=got.errors,
+            # The operator's checks so far (spec.tuning); this window's is added, not saved.
+            calibration=calibrations_from_status((obj.get("status") or {}).get("recommendation")),
         )
     except ValueError as exc:
         raise PluginError(str(exc)) from exc
@@ -171,6 +176,11 @@ def view(d: dict[str, Any]) -> RenderableType:
                 planned["p99QueueAge"] or "inf",
             )
         parts.append(table)
+        model = lane.get("model") or {}
+        if model.get("summary"):
+            within = model.get("withinTolerance")
+            style = "dim" if within is None else "green" if within else "bold yellow"
+            parts.append(Text(model["summary"], style=style))
         for note in lane["notes"]:
             parts.append(Text(f"note: {note}", style="dim"))
     for lane_name, why in d["failed"].items():

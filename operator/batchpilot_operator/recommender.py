@@ -86,7 +86,8 @@ def refresh(
         def gather(ns: str, policy: str, window: float) -> Any:
             return live_gather(api_client, ns, policy, since=window)
 
-    rec = _recommend(spec, namespace, name, now, gather)
+    prior = status.recommendation.calibration if status.recommendation is not None else {}
+    rec = _recommend(spec, namespace, name, now, gather, prior)
     out = status.model_copy(deep=True)
     out.recommendation = rec
     if rec.reason == UNKNOWN:
@@ -104,7 +105,10 @@ def refresh(
     return out
 
 
-def _recommend(spec: PolicySpec, namespace: str, name: str, now: datetime, gather: Gather) -> Recommendation:
+def _recommend(
+    spec: PolicySpec, namespace: str, name: str, now: datetime, gather: Gather, prior: dict[str, dict[str, Any]]
+) -> Recommendation:
+    from batchpilot_operator.tune.calibration import LaneCalibration
     from batchpilot_operator.tune.live import recommend_policy
 
     assert spec.tuning is not None
@@ -116,11 +120,18 @@ def _recommend(spec: PolicySpec, namespace: str, name: str, now: datetime, gathe
         "window": format_duration(window),
         "growth": tuning.growth,
         "margin": tuning.margin,
+        "calibration": prior,  # kept as it was when this window gives no check
     }
     try:
         got = gather(namespace, name, window)
         result = recommend_policy(
-            spec, got.arrivals, got.profiles, growth=tuning.growth, margin=tuning.margin, pod_errors=got.errors
+            spec,
+            got.arrivals,
+            got.profiles,
+            growth=tuning.growth,
+            margin=tuning.margin,
+            pod_errors=got.errors,
+            calibration={lane: LaneCalibration.from_dict(d) for lane, d in prior.items()},
         )
     except Exception as exc:  # the recommendation is advisory: never fail the reconcile for it
         log.warning("recommendation for %s/%s failed: %s", namespace, name, exc)
@@ -130,8 +141,11 @@ def _recommend(spec: PolicySpec, namespace: str, name: str, now: datetime, gathe
         return Recommendation(
             **base, pods=result.pods, failed=result.failed, reason=UNKNOWN, message=f"no recommendation: {why}"[:1000]
         )
+    base["calibration"] = prior | result.calibration()
     stale = result.stale_lanes
     lanes = [rec.to_dict() for rec in result.lanes]
+    # The model's measured error goes with every figure it stated (the first lane's in the message).
+    model_text = f"; {result.lanes[0].model.summary()}"
     if stale:
         first = stale[0]
         cur, new = first.current, first.recommended
@@ -147,6 +161,7 @@ def _recommend(spec: PolicySpec, namespace: str, name: str, now: datetime, gathe
         note = next((n for n in first.notes if "replicas would serve" in n), None)
         if note:
             message += f"; {note}"
+        message += model_text
         return Recommendation(
             **base,
             stale=True,
@@ -164,7 +179,7 @@ def _recommend(spec: PolicySpec, namespace: str, name: str, now: datetime, gathe
     return Recommendation(
         **base,
         reason=CURRENT,
-        message=f"current settings hold: {message}"[:1000],
+        message=f"current settings hold: {message}{model_text}"[:1000],
         pods=result.pods,
         lanes=lanes,
         failed=result.failed,

@@ -251,7 +251,8 @@ class Recommendation(_Model):
 
     ``lanes`` holds, per lane, what ``kubectl batchpilot recommend -o json`` shows: the observed
     traffic, the current and the recommended setting with capacity and predicted p99 / queue age
-    at the observed and the planned traffic, and the reasons it is stale.
+    at the observed and the planned traffic, and the reasons it is stale; ``calibration`` per
+    lane the model's measured error and its correction, carried from one recommendation to the next.
     """
 
     time: datetime
@@ -266,6 +267,11 @@ class Recommendation(_Model):
     lanes: list[dict[str, Any]] = Field(default_factory=list)
     failed: dict[str, str] = Field(default_factory=dict)
     patch: list[dict[str, Any]] = Field(default_factory=list)
+    calibration: dict[str, dict[str, Any]] = Field(
+        default_factory=dict,
+        description="per lane: the model's p99 checked against the pods' over recent windows, the error and "
+        "the correction applied (batchpilot_operator.tune.calibration)",
+    )
 
 
 class Status(_Model):

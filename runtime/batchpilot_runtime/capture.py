@@ -4,8 +4,13 @@
   *admitted* request) in a preallocated ring, bounded by count (``capacity``; the oldest entry
   is overwritten) and by age (entries older than ``max_age`` seconds are never served). Memory
   is fixed at start: 12 bytes per slot (a float64 time and an int32 row count), so the default
-  65,536 slots cost 768 KiB per lane. Recording is two array stores and an increment on the
+  65,536 slots cost 768 KiB per lane (1.75 MiB with the outcomes below). Recording is two array stores and an increment on the
   event loop (no lock: only the loop writes, and snapshots run on the loop too).
+* :class:`OutcomeRing`: what became of the same lane's admitted requests (arrival time, latency
+  as the server measured it, queue wait at dispatch; a request that timed out or failed has
+  latency -1), recorded when each is answered, with the same bounds (16 bytes a slot). The
+  operator compares them with what the tuner's model predicts for the same arrivals: the
+  model's measured error (:mod:`batchpilot_operator.tune.calibration`).
 * :class:`LiveProfile`: forward time per batch size, from timed passes at warm-up and from
   live batches (the last ``per_size`` samples of each size), rendered in the format
   ``batchpilot profile`` writes (a ``LatencyProfile``), so the profile comes from the hardware
@@ -44,7 +49,12 @@ PROFILE_SAMPLES_PER_SIZE = 256
 WARMUP_PASSES = 3
 """Timed passes per warm batch size at start-up (after the untimed warm-up pass)."""
 CUT_DELAY_SAMPLES = 4096
-SLOT_BYTES = 12
+ARRIVAL_SLOT_BYTES = 12
+OUTCOME_SLOT_BYTES = 16
+SLOT_BYTES = ARRIVAL_SLOT_BYTES + OUTCOME_SLOT_BYTES
+"""Bytes per slot of one lane: its arrival and its outcome."""
+FAILED = -1.0
+"""Latency recorded for a request that was admitted but not served (timed out, failed)."""
 CAPTURE_API_VERSION = "batchpilot.dev/v1alpha1"
 ARRIVALS_KIND = "ArrivalCapture"
 
@@ -113,6 +123,50 @@ class ArrivalRing:
         return np.concatenate((times[first:], times[: first + n - cap])), np.concatenate(
             (rows[first:], rows[: first + n - cap])
         )
+
+
+class OutcomeRing:
+    """A fixed-size ring of (arrival time, latency, queue wait) of answered requests."""
+
+    __slots__ = ("arrivals", "capacity", "latencies", "max_age", "total", "waits")
+
+    def __init__(self, capacity: int = DEFAULT_CAPACITY, max_age: float = DEFAULT_MAX_AGE) -> None:
+        if capacity < 1:
+            raise ValueError(f"outcome ring capacity must be at least 1, got {capacity}")
+        self.capacity = capacity
+        self.max_age = max_age
+        self.arrivals = array("d", bytes(8 * capacity))
+        self.latencies = array("f", bytes(4 * capacity))
+        self.waits = array("f", bytes(4 * capacity))
+        self.total = 0
+
+    def record(self, arrival: float, latency: float, wait: float) -> None:
+        i = self.total % self.capacity
+        self.arrivals[i] = arrival
+        self.latencies[i] = latency
+        self.waits[i] = wait
+        self.total += 1
+
+    @property
+    def nbytes(self) -> int:
+        return sum(a.itemsize * len(a) for a in (self.arrivals, self.latencies, self.waits))
+
+    def snapshot_arrays(
+        self, now: float, since: float | None = None
+    ) -> tuple[np.ndarray[Any, Any], np.ndarray[Any, Any], np.ndarray[Any, Any]]:
+        """Held outcomes whose request arrived no earlier than ``max_age`` (and ``since``) ago,
+        in arrival order."""
+        n = min(self.total, self.capacity)
+        first = (self.total - n) % self.capacity
+        idx = (np.arange(n, dtype=np.int64) + first) % self.capacity
+        arrivals = np.frombuffer(self.arrivals, dtype=np.float64)[idx]
+        latencies = np.frombuffer(self.latencies, dtype=np.float32)[idx]
+        waits = np.frombuffer(self.waits, dtype=np.float32)[idx]
+        horizon = now - self.max_age if since is None else max(now - self.max_age, now - since)
+        keep = arrivals >= horizon
+        arrivals, latencies, waits = arrivals[keep], latencies[keep], waits[keep]
+        by_arrival = np.argsort(arrivals, kind="stable")
+        return arrivals[by_arrival], latencies[by_arrival], waits[by_arrival]
 
 
 def _quantile(sorted_values: Sequence[float], q: float) -> float:
@@ -239,6 +293,7 @@ class Capture:
         self.track = track
         self.enabled = capacity > 0
         self.rings = [ArrivalRing(capacity, max_age) for _ in cfg.lanes] if self.enabled else []
+        self.outcomes = [OutcomeRing(capacity, max_age) for _ in cfg.lanes] if self.enabled else []
         self.capacity = capacity
         self.max_age = max_age
         self.profile = LiveProfile()
@@ -253,9 +308,15 @@ class Capture:
         if self.enabled:
             self.rings[lane].record(t, rows)
 
+    def record_outcome(self, lane: int, arrival: float, latency: float, wait: float) -> None:
+        """One admitted request answered: its latency (:data:`FAILED` when it was not served)
+        and its queue wait at dispatch (hot path: on the event loop, after the answer)."""
+        if self.enabled:
+            self.outcomes[lane].record(arrival, latency, wait)
+
     @property
     def nbytes(self) -> int:
-        return sum(r.nbytes for r in self.rings)
+        return sum(r.nbytes for r in self.rings) + sum(r.nbytes for r in self.outcomes)
 
     def arrivals_doc(self, since: float | None = None, pod: str | None = None) -> dict[str, Any]:
         """The ``/admin/arrivals`` document: bounds, revision, lane settings and arrivals."""
@@ -287,6 +348,7 @@ class Capture:
                     # Offsets from base (seconds, microsecond resolution) keep the document small.
                     "times": np.round(times + (offset - base), 6).tolist(),
                     "rows": rows.tolist(),
+                    "outcomes": self._outcomes_entry(i, now, since, offset, base),
                 }
             lanes.append(entry)
         return {
@@ -303,6 +365,17 @@ class Capture:
             "bounds": {"capacity": self.capacity, "maxAge": self.max_age, "bytesPerLane": self.capacity * SLOT_BYTES},
             "defaultLane": self.cfg.default_lane_name,
             "lanes": lanes,
+        }
+
+    def _outcomes_entry(self, lane: int, now: float, since: float | None, offset: float, base: float) -> dict[str, Any]:
+        """Answered requests of the window: arrival offsets from ``base`` (as ``times``), latency
+        and queue wait in seconds (latency -1: admitted, not served)."""
+        arrivals, latencies, waits = self.outcomes[lane].snapshot_arrays(now, since)
+        return {
+            "recorded": self.outcomes[lane].total,
+            "times": np.round(arrivals + (offset - base), 6).tolist(),
+            "latency": np.round(latencies.astype(np.float64), 6).tolist(),
+            "queueWait": np.round(waits.astype(np.float64), 6).tolist(),
         }
 
     def profile_doc(self, device: str, threads: int | None) -> dict[str, Any]:

@@ -31,7 +31,7 @@ from aiohttp import web
 
 from batchpilot_runtime import __version__, admin
 from batchpilot_runtime.batcher import BatchWorker
-from batchpilot_runtime.capture import WARMUP_PASSES, Capture, capture_bounds_from_env
+from batchpilot_runtime.capture import FAILED, WARMUP_PASSES, Capture, capture_bounds_from_env
 from batchpilot_runtime.config import RuntimeConfig, load_config
 from batchpilot_runtime.metrics import CONTENT_TYPE, UNKNOWN_LANE, Metrics
 from batchpilot_runtime.modelproc import ModelProcess
@@ -464,6 +464,8 @@ class Runtime:
             m.outcome(lane_name, "failed", tenant)
         elapsed = time.perf_counter() - arrival
         latency.observe(elapsed)
+        wait = req.dispatched_at - arrival if req.dispatched_at > 0 else elapsed
+        self.capture.record_outcome(idx, arrival, elapsed if kind == _OK else FAILED, wait)
         # The server's own view of the request's time (W3C Server-Timing): from the handler's
         # start to the answer, what requestTimeout bounds; a client's measurement adds transit.
         resp.headers["Server-Timing"] = f"total;dur={elapsed * 1000:.3f}"

@@ -258,6 +258,16 @@ def test_recommend_reads_the_pods_through_the_pod_proxy(setup: Setup) -> None:
         if ops:
             assert ops[0] == {"op": "test", "path": "/spec/lanes/0/name", "value": "interactive"}
     assert "lane interactive" in table and "recommended" in table and "capacity rows/s" in table
+    # The model checked against the pod: the replay's own requests, replayed through the model with
+    # the setting the pod ran, against the latencies the pod recorded for them.
+    model = lane["model"]
+    sys.stderr.write(f"\n[recommend] {model['summary']}\n")
+    (check,) = model["checks"]
+    assert check["requests"] >= SLICE * 0.9 and check["observedP99"] > 0 and check["predictedP99"] > 0
+    assert check["correction"] == 1.0  # no operator check before (no spec.tuning)
+    ratio = check["observedP99"] / check["predictedP99"]
+    assert model["correction"] == pytest.approx(min(max(ratio, 0.25), 4.0), rel=0.01)
+    assert "model error last window" in table
     # The policy was never edited.
     assert s.kube.get("batchingpolicy", "shop", s.namespace)["metadata"]["generation"] == s.generation
 
@@ -390,6 +400,12 @@ def test_settings_stale_is_raised_when_the_traffic_surges(setup: Setup) -> None:
     assert lane["current"]["capacity"] < lane["observedRowRate"]
     assert lane["current"]["atObserved"]["meetsTargets"] is False
     assert "replicas would serve" in stale["message"]
+    # Each recommendation checked its model against the pod (or said why not) and kept the history.
+    cal = stale["calibration"]["interactive"]
+    sys.stderr.write(f"\n[recommend] calibration at the surge: {cal['summary']}; calm: {calm['calibration']}\n")
+    assert cal["checks"] or cal["skipped"], cal
+    assert "no request outcomes" not in cal["skipped"]
+    assert "model error" in stale["message"]
     cond = condition()
     assert (cond["status"], cond["reason"]) == ("True", BREACH_NOW)
     events = json.loads(

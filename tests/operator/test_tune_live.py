@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import math
-import random
 from typing import Any
 
 import pytest
@@ -21,47 +20,7 @@ from batchpilot_operator.tune.live import (
 )
 from batchpilot_operator.tune.profile import LatencyProfile
 from batchpilot_operator.tune.search import SLOTargets
-
-LANE_SETTINGS = {"maxBatchSize": 4, "maxQueueDelay": "1ms", "maxQueueLength": 1000, "requestTimeout": "1s"}
-
-
-def capture_doc(
-    pod: str,
-    times: list[float],
-    rows: list[int] | None = None,
-    *,
-    window_start: float,
-    captured_at: float,
-    lane: str = "interactive",
-    covered_from: float | None = None,
-    revision: str = "r1",
-    cut_p50: float | None = None,
-) -> dict[str, Any]:
-    base = times[0] if times else captured_at
-    entry: dict[str, Any] = {
-        "name": lane,
-        "settings": LANE_SETTINGS,
-        "recorded": len(times),
-        "overwritten": 0,
-        "held": len(times),
-        "base": base,
-        "coveredFrom": window_start if covered_from is None else covered_from,
-        "times": [t - base for t in times],
-        "rows": rows if rows is not None else [1] * len(times),
-        "batchCutDelay": {"samples": 10, "p50": cut_p50} if cut_p50 is not None else {"samples": 0},
-    }
-    return {
-        "apiVersion": "batchpilot.dev/v1alpha1",
-        "kind": "ArrivalCapture",
-        "policy": "shop",
-        "revision": revision,
-        "track": "stable",
-        "pod": pod,
-        "capturedAt": captured_at,
-        "windowStart": window_start,
-        "enabled": True,
-        "lanes": [entry],
-    }
+from bp_captures import LANE_SETTINGS, PROFILE, capture_doc, poisson, profile_doc
 
 
 def test_merge_interleaves_pods_on_wall_time() -> None:
@@ -131,19 +90,6 @@ def test_merge_names_pods_missing_the_lane() -> None:
         merge_traffic([a, b], "interactive")
 
 
-def profile_doc(scale: float, sizes: tuple[int, ...] = (1, 2, 4, 8)) -> dict[str, Any]:
-    return {
-        "apiVersion": "batchpilot.dev/v1alpha1",
-        "kind": "LatencyProfile",
-        "model": {"name": "m", "source": "builtin:tiny-mlp", "device": "cpu"},
-        "points": [
-            {"batchSize": b, "p50": (1 + b * 0.25) * scale * 1e-3, "p90": (1.2 + b * 0.25) * scale * 1e-3,
-             "p99": (2 + b * 0.3) * scale * 1e-3, "samples": 10}
-            for b in sizes
-        ],
-    }  # fmt: skip
-
-
 def test_merge_profiles_takes_the_slowest_pod_per_size() -> None:
     merged = merge_profiles([profile_doc(1.0), profile_doc(2.0, sizes=(1, 2, 16))])
     assert merged.batch_sizes == [1, 2, 4, 8, 16]
@@ -154,26 +100,7 @@ def test_merge_profiles_takes_the_slowest_pod_per_size() -> None:
 
 # --------------------------------------------------------------------------- recommend
 
-PROFILE = LatencyProfile.model_validate(
-    {
-        "model": {"name": "m", "source": "builtin:tiny-mlp"},
-        "points": [
-            {"batchSize": 1, "p50": "2ms", "p90": "2ms", "p99": "2ms"},
-            {"batchSize": 8, "p50": "3ms", "p90": "3ms", "p99": "3ms"},
-            {"batchSize": 32, "p50": "6ms", "p90": "6ms", "p99": "6ms"},
-        ],
-    }
-)
 SLO = SLOTargets(p99_latency=0.050, queue_age=0.030, margin=0.2)
-
-
-def poisson(rate: float, seconds: float, seed: int = 1) -> list[float]:
-    rng = random.Random(seed)
-    t, out = 1000.0, []
-    while t < 1000.0 + seconds:
-        t += rng.expovariate(rate)
-        out.append(t)
-    return out
 
 
 def traffic_at(rate: float) -> Any:

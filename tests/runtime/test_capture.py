@@ -16,10 +16,14 @@ from bp_rt_harness import Server, body, infer, lane, wait_for
 
 from batchpilot_operator.tune.profile import LatencyProfile
 from batchpilot_runtime.capture import (
+    ARRIVAL_SLOT_BYTES,
+    FAILED,
+    OUTCOME_SLOT_BYTES,
     SLOT_BYTES,
     ArrivalRing,
     Capture,
     LiveProfile,
+    OutcomeRing,
     capture_bounds_from_env,
 )
 from batchpilot_runtime.config import LaneConfig, RuntimeConfig
@@ -65,7 +69,26 @@ def test_ring_memory_is_fixed_at_start() -> None:
     before = ring.nbytes
     for k in range(5000):
         ring.record(float(k), 3)
-    assert ring.nbytes == before == 1000 * SLOT_BYTES
+    assert ring.nbytes == before == 1000 * ARRIVAL_SLOT_BYTES
+
+
+def test_outcome_ring_serves_the_window_in_arrival_order_with_fixed_memory() -> None:
+    ring = OutcomeRing(capacity=8, max_age=100.0)
+    before = ring.nbytes
+    # Answered out of arrival order (a fast request overtakes a slow one), 12 of them: the ring
+    # keeps the 8 newest answers.
+    for k in range(12):
+        arrival = float(k if k % 2 else k + 1.5)
+        ring.record(arrival, 0.01 * k if k != 9 else FAILED, 0.001 * k)
+    assert ring.nbytes == before == 8 * OUTCOME_SLOT_BYTES
+    arrivals, latencies, waits = ring.snapshot_arrays(now=20.0)
+    assert arrivals.tolist() == sorted(arrivals.tolist()) and len(arrivals) == 8
+    held = {a: (lat, w) for a, lat, w in zip(arrivals.tolist(), latencies.tolist(), waits.tolist(), strict=True)}
+    assert held[9.0][0] == FAILED  # not served: recorded as such, not dropped
+    assert held[7.0] == pytest.approx((0.07, 0.007))
+    assert 0.0 not in held and 1.0 not in held  # the oldest answers were overwritten
+    arrivals, _, _ = ring.snapshot_arrays(now=20.0, since=10.0)
+    assert arrivals.tolist() == [11.0, 11.5]
 
 
 def test_ring_rejects_bad_bounds() -> None:
@@ -255,6 +278,13 @@ def test_arrivals_endpoint_serves_what_was_admitted(server: Server) -> None:
     assert lanes["background"]["rows"][-1] == 2
     times = lanes["interactive"]["times"]
     assert times == sorted(times)
+    # Every admitted request's outcome, keyed by the same arrival time (sent one at a time, so
+    # each was answered before the next arrived): served, its queue wait within its latency.
+    out = lanes["interactive"]["outcomes"]
+    assert out["recorded"] == lanes["interactive"]["recorded"]
+    assert out["times"][-3:] == times[-3:]
+    for latency, wait in zip(out["latency"][-3:], out["queueWait"][-3:], strict=True):
+        assert 0 <= wait <= latency < 5.0
     # Wall-clock times: the last arrival happened within the last minute.
     assert abs(lanes["interactive"]["base"] + times[-1] - doc["capturedAt"]) < 60
     # A lane filter and a since filter.

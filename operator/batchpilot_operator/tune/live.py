@@ -28,6 +28,13 @@ The recommendation runs :func:`batchpilot_operator.tune.search.search` for the l
 the observed trace (time-scaled to the planned rate: observed x growth, or a given rate), and
 the same simulator for the current setting: its capacity (the search over exactly that one
 setting) and its predictions at the observed rate and at the planned one.
+
+Calibration (:mod:`batchpilot_operator.tune.calibration`): when the pods also sent the outcomes
+of the window's requests, the window's arrivals are replayed through the model with the setting
+the pods ran, and its p99 compared with theirs. The lane's correction (observed / model, the
+median of its recent checks) then scales every p99 this recommendation states, and the search
+looks for settings under the SLO divided by it. Each lane reports the model's last measured
+error next to its predictions.
 """
 
 from __future__ import annotations
@@ -39,6 +46,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from batchpilot_operator.spec import PolicySpec
+from batchpilot_operator.tune.calibration import LaneCalibration, Observed, Window, check_lane
 from batchpilot_operator.tune.profile import LatencyProfile, ProfilePoint
 from batchpilot_operator.tune.search import SLOTargets, search
 from batchpilot_operator.tune.simulator import LaneSettings, simulate
@@ -72,6 +80,9 @@ class LaneCapture:
     rows: tuple[int, ...]
     covered_from: float
     cut_delay: dict[str, Any]
+    # (arrival Unix seconds, latency s, queue wait s) of answered requests; latency inf: not
+    # served. None: the runtime sent no outcomes (older than the calibration).
+    outcomes: tuple[tuple[float, float, float], ...] | None = None
 
 
 @dataclass(frozen=True)
@@ -108,6 +119,7 @@ def parse_capture(doc: Mapping[str, Any], pod: str | None = None) -> PodCapture:
                 rows=tuple(rows),
                 covered_from=float(entry.get("coveredFrom", doc["windowStart"])),
                 cut_delay=dict(entry.get("batchCutDelay") or {}),
+                outcomes=_parse_outcomes(entry.get("outcomes"), base, who, str(entry["name"])),
             )
         return PodCapture(
             pod=who,
@@ -121,6 +133,18 @@ def parse_capture(doc: Mapping[str, Any], pod: str | None = None) -> PodCapture:
         if isinstance(exc, CaptureError):
             raise
         raise CaptureError(f"pod {who}: malformed arrival capture: {type(exc).__name__}: {exc}") from exc
+
+
+def _parse_outcomes(raw: Any, base: float, pod: str, lane: str) -> tuple[tuple[float, float, float], ...] | None:
+    if raw is None:
+        return None
+    times, lats, waits = raw["times"], raw["latency"], raw["queueWait"]
+    if not len(times) == len(lats) == len(waits):
+        raise CaptureError(f"pod {pod}: lane {lane}: outcomes of unequal lengths")
+    return tuple(
+        (base + float(t), math.inf if float(lat) < 0 else float(lat), float(w))
+        for t, lat, w in zip(times, lats, waits, strict=True)
+    )
 
 
 # --------------------------------------------------------------------------- merging
@@ -138,6 +162,9 @@ class MergedTraffic:
     times: list[float]  # Unix seconds, sorted (one per request)
     rows: list[int]
     cut_delay_p50: float | None = None
+    # The answered requests' outcomes in the window, in arrival order (None: a pod sent none).
+    outcomes: list[tuple[float, float, float]] | None = None
+    settings_ran: list[dict[str, Any]] = field(default_factory=list)  # distinct, as the pods reported
 
     @property
     def duration(self) -> float:
@@ -222,6 +249,19 @@ def merge_traffic(captures: Sequence[PodCapture], lane: str) -> MergedTraffic:
         lc = c.lanes[lane]
         pairs += [(t, r) for t, r in zip(lc.times, lc.rows, strict=True) if start <= t <= end]
     pairs.sort()
+    outcomes: list[tuple[float, float, float]] | None = []
+    for c in captures:
+        got = c.lanes[lane].outcomes
+        if got is None or outcomes is None:
+            outcomes = None
+            continue
+        outcomes += [o for o in got if start <= o[0] <= end]
+    if outcomes is not None:
+        outcomes.sort()
+    ran: list[dict[str, Any]] = []
+    for c in captures:
+        if c.lanes[lane].settings and c.lanes[lane].settings not in ran:
+            ran.append(c.lanes[lane].settings)
     delays = sorted(float(c.lanes[lane].cut_delay["p50"]) for c in captures if c.lanes[lane].cut_delay.get("samples"))
     return MergedTraffic(
         lane=lane,
@@ -232,6 +272,8 @@ def merge_traffic(captures: Sequence[PodCapture], lane: str) -> MergedTraffic:
         times=[t for t, _ in pairs],
         rows=[r for _, r in pairs],
         cut_delay_p50=delays[len(delays) // 2] if delays else None,
+        outcomes=outcomes,
+        settings_ran=ran,
     )
 
 
@@ -331,6 +373,7 @@ class LaneRecommendation:
     recommended: SettingReport
     reasons: list[str]
     notes: list[str] = field(default_factory=list)
+    model: LaneCalibration = field(default_factory=LaneCalibration)
 
     @property
     def stale(self) -> bool:
@@ -358,12 +401,20 @@ class LaneRecommendation:
             "current": self.current.to_dict(),
             "recommended": self.recommended.to_dict(),
             "notes": self.notes,
+            "model": self.model.to_dict(),
         }
 
 
 def _predict(
-    trace: Trace, profile: LatencyProfile, settings: LaneSettings, rate: float, replicas: int, slo: SLOTargets
+    trace: Trace,
+    profile: LatencyProfile,
+    settings: LaneSettings,
+    rate: float,
+    replicas: int,
+    slo: SLOTargets,
+    correction: float = 1.0,
 ) -> Prediction:
+    """The simulator's p99 at ``rate``, times the lane's ``correction`` (the calibration)."""
     table = profile.exec_table(max(settings.max_batch_size, 1))
     sim = simulate(
         trace.scaled_arrivals(rate),
@@ -376,7 +427,7 @@ def _predict(
         dispatch_delay=profile.dispatch_delay,
     )
     t = slo.targets()
-    p99 = sim.latency_quantile(t.quantile)
+    p99 = sim.latency_quantile(t.quantile) * correction
     age = sim.queue_age_quantile(t.quantile)
     return Prediction(
         rate=rate,
@@ -419,12 +470,18 @@ def recommend_lane(
     growth: float = 2.0,
     rate: float | None = None,
     max_batch: int | None = None,
+    model: LaneCalibration | None = None,
 ) -> LaneRecommendation:
     """Predictions for the current setting and the tuner's recommendation (see the module docstring).
 
     ``rate`` (requests/s, all replicas) replaces the observed rate as the traffic to plan for
-    (growth is then not applied on top of it).
+    (growth is then not applied on top of it). ``model``: the lane's calibration, whose
+    correction scales every p99 stated (the search runs under the SLO divided by it).
     """
+    model = model or LaneCalibration()
+    correction = model.correction
+    # The model's p99 times the correction must meet the SLO: search under the SLO / correction.
+    search_slo = SLOTargets(slo.p99_latency / correction, slo.queue_age, slo.margin)
     if growth < 1:
         raise ValueError(f"growth must be at least 1 (planning for less traffic than now is not a plan), got {growth}")
     if replicas < 1:
@@ -445,10 +502,17 @@ def recommend_lane(
         )
     if len(traffic.revisions) > 1:
         notes.append(f"traffic spans revisions {traffic.revisions} (a rollout in the window)")
+    if correction != 1.0:
+        notes.append(
+            f"p99 predictions carry the lane's correction x{correction:.3g} (observed / model over its recent "
+            "windows); capacities are under the SLO divided by it"
+        )
+    if model.within_tolerance is False:
+        notes.append(model.summary())
     result = search(
         trace,
         profile,
-        slo,
+        search_slo,
         replicas=replicas,
         target_rate=planned,
         max_queue_length=current.max_queue_length,
@@ -462,7 +526,7 @@ def recommend_lane(
         current.max_queue_length,
         current.request_timeout,
     )
-    cur_capacity = _capacity(trace, profile, current, slo, replicas)
+    cur_capacity = _capacity(trace, profile, current, search_slo, replicas)
     if result.capacity <= cur_capacity * (1 + KEEP_TOLERANCE):
         # No setting serves clearly more: keep the current one (no churn, no patch). With
         # maxBatchSize 1, say, every window is the same setting in effect.
@@ -470,14 +534,14 @@ def recommend_lane(
     cur = SettingReport(
         current,
         cur_capacity,
-        _predict(trace, profile, current, observed, replicas, slo),
-        _predict(trace, profile, current, planned, replicas, slo),
+        _predict(trace, profile, current, observed, replicas, slo, correction),
+        _predict(trace, profile, current, planned, replicas, slo, correction),
     )
     rec = SettingReport(
         rec_settings,
         cur_capacity if rec_settings == current else result.capacity,
-        _predict(trace, profile, rec_settings, observed, replicas, slo),
-        _predict(trace, profile, rec_settings, planned, replicas, slo),
+        _predict(trace, profile, rec_settings, observed, replicas, slo, correction),
+        _predict(trace, profile, rec_settings, planned, replicas, slo, correction),
     )
     if rec_settings != current and result.capacity < planned and _p99_key(rec) >= _p99_key(cur):
         # No setting serves the planned traffic: the highest capacity says nothing about that
@@ -510,7 +574,22 @@ def recommend_lane(
         recommended=rec,
         reasons=reasons,
         notes=notes,
+        model=model,
     )
+
+
+def calibrate(traffic: MergedTraffic, profile: LatencyProfile, prior: LaneCalibration) -> LaneCalibration:
+    """``prior`` with this window's check added (or the reason there is none)."""
+    if traffic.outcomes is None:
+        return prior.skip("a pod sent no request outcomes (a runtime older than the calibration)")
+    if len(traffic.settings_ran) != 1:
+        return prior.skip(f"the pods ran {len(traffic.settings_ran)} settings in the window (a rollout in flight)")
+    settings = lane_settings_from_spec(traffic.settings_ran[0])
+    arrivals = [t - traffic.start for t, r in zip(traffic.times, traffic.rows, strict=True) for _ in range(r)]
+    observed = Observed(tuple(o[1] for o in traffic.outcomes), tuple(o[2] for o in traffic.outcomes))
+    window = Window(traffic.end, arrivals, observed, settings, replicas=len(traffic.pods))
+    got = check_lane(window, profile, prior.correction)
+    return prior.skip(got) if isinstance(got, str) else prior.add(got)
 
 
 def _p99_key(report: SettingReport) -> tuple[float, float]:
@@ -573,6 +652,10 @@ class PolicyRecommendation:
     def stale_lanes(self) -> list[LaneRecommendation]:
         return [rec for rec in self.lanes if rec.stale]
 
+    def calibration(self) -> dict[str, dict[str, Any]]:
+        """Per lane, the calibration to keep for the next window."""
+        return {rec.lane: rec.model.to_dict() for rec in self.lanes}
+
     def to_dict(self) -> dict[str, Any]:
         return {
             "pods": self.pods,
@@ -600,12 +683,16 @@ def recommend_policy(
     rate: float | None = None,
     lanes: Sequence[str] | None = None,
     pod_errors: Sequence[str] = (),
+    calibration: Mapping[str, LaneCalibration] | None = None,
 ) -> PolicyRecommendation:
     """Recommend for each lane of ``spec`` (or ``lanes``) from the pods' documents.
 
     ``rate`` (requests/s) is for a single lane only. A lane that cannot be recommended (no
-    traffic, an SLO no setting meets) is listed in ``failed`` with the reason.
+    traffic, an SLO no setting meets) is listed in ``failed`` with the reason. ``calibration``:
+    each lane's checks so far (``status.recommendation.calibration``); this window's check is
+    added and the result's lanes carry the updated calibration.
     """
+    calibration = calibration or {}
     if not 0 <= margin < 1:
         raise ValueError(f"margin must be in [0, 1), got {margin}")
     names = list(lanes) if lanes else [lane.name for lane in spec.lanes]
@@ -628,6 +715,7 @@ def recommend_policy(
         current = LaneSettings(lane.max_batch_size, lane.max_queue_delay, lane.max_queue_length, lane.request_timeout)
         try:
             traffic = merge_traffic(captures, name)
+            model = calibrate(traffic, profile, calibration.get(name, LaneCalibration()))
             rec = recommend_lane(
                 traffic,
                 profile,
@@ -636,6 +724,7 @@ def recommend_policy(
                 replicas=spec.replicas,
                 growth=growth,
                 rate=rate,
+                model=model,
             )
         except ValueError as exc:
             failed[name] = str(exc)
