@@ -132,6 +132,64 @@ def test_tune_with_flags_prints_a_lane_block(inputs: dict[str, Path], capsys: py
     assert lane.name == "fast" and lane.request_timeout == pytest.approx(0.2)
 
 
+def _policy_with_checks(inputs: dict[str, Path], ratio: float, name: str = "ranker") -> dict[str, Any]:
+    """The policy as ``kubectl get -o yaml`` shows it after three checks that found the pods
+    ``ratio`` x slower than the model."""
+    doc = yaml.safe_load(inputs["policy"].read_text())
+    doc["metadata"]["name"] = name
+    checks = [
+        {"time": 1000.0 + k, "requests": 900, "predictedP99": 10.0, "observedP99": 10.0 * ratio, "correction": 1.0}
+        for k in range(3)
+    ]
+    doc["status"] = {"recommendation": {"calibration": {"interactive": {"checks": checks}}}}
+    return doc
+
+
+def test_tune_applies_and_prints_the_measured_error(
+    inputs: dict[str, Path], tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    base = [
+        "tune",
+        "--trace",
+        str(inputs["trace"]),
+        "--profile",
+        str(inputs["profile"]),
+        "--policy",
+        str(inputs["policy"]),
+    ]
+    assert main([*base, "-o", "json"]) == 0
+    plain = json.loads(capsys.readouterr().out)
+    assert plain["model"]["measured"] is False and "not measured" in plain["model"]["summary"]
+    live = tmp_path / "live.yaml"
+    live.write_text(yaml.safe_dump(_policy_with_checks(inputs, 2.0)))
+    assert main([*base, "--calibration", str(live), "-o", "json"]) == 0
+    corrected = json.loads(capsys.readouterr().out)
+    model = corrected["model"]
+    assert model["measured"] is True and model["correction"] == pytest.approx(2.0)
+    assert model["withinTolerance"] is False and "model error last window -50%" in model["summary"]
+    # Pods twice as slow as the model: the search runs as it would under half the SLO, and states
+    # the p99 it finds at twice the model's, against the real SLO less margin.
+    assert main([*base, "--p99", "20ms", "-o", "json"]) == 0
+    halved = json.loads(capsys.readouterr().out)
+    assert corrected["recommended"] == halved["recommended"]
+    assert corrected["capacity_rps"] == pytest.approx(halved["capacity_rps"])
+    assert corrected["predicted_at_target"]["p99_latency_s"] == pytest.approx(
+        2 * halved["predicted_at_target"]["p99_latency_s"]
+    )
+    assert corrected["targets_s"]["p99_latency"] == pytest.approx(0.04 * 0.8)
+    # The text output says it next to the predictions; the status in the --policy file is used too.
+    policy_with_status = tmp_path / "policy-live.yaml"
+    policy_with_status.write_text(yaml.safe_dump(_policy_with_checks(inputs, 2.0)))
+    assert main([*base[:-1], str(policy_with_status)]) == 0
+    text = capsys.readouterr().out
+    assert "model error last window -50%" in text and "correction now x2" in text
+    # Another policy's checks are refused.
+    other = tmp_path / "other.yaml"
+    other.write_text(yaml.safe_dump(_policy_with_checks(inputs, 2.0, name="other")))
+    assert main([*base, "--calibration", str(other)]) == 2
+    assert "policy 'other'" in capsys.readouterr().err
+
+
 def test_tune_explains_an_impossible_slo(inputs: dict[str, Path], capsys: pytest.CaptureFixture[str]) -> None:
     code = main([
         "tune", "--trace", str(inputs["trace"]), "--profile", str(inputs["profile"]),

@@ -283,3 +283,42 @@ def test_too_few_samples_for_a_p99_is_a_warning(tmp_path: Path) -> None:
     assert f"{path}:{line_of(path, 'minSamples:')}: warning: ranker: spec.rollout.minSamples is 20" in result.stdout
     policy["spec"]["rollout"]["minSamples"] = 100
     assert "minSamples" not in validate(policy_file(tmp_path, policy)).stdout
+
+
+def live_policy(tmp_path: Path, ratio: float, name: str = "ranker") -> Path:
+    """The policy as ``kubectl get -o yaml`` shows it after three live checks that found the pods
+    ``ratio`` x slower than the model."""
+    live = copy.deepcopy(POLICY)
+    live["metadata"]["name"] = name
+    checks = [
+        {"time": 1000.0 + k, "requests": 900, "predictedP99": 10.0, "observedP99": 10.0 * ratio, "correction": 1.0}
+        for k in range(3)
+    ]
+    live["status"] = {"recommendation": {"calibration": {"interactive": {"checks": checks}}}}
+    return policy_file(tmp_path, live, name=f"live-{name}.yaml")
+
+
+def test_the_measured_model_error_is_stated_and_its_correction_checked(tmp_path: Path) -> None:
+    # window 5ms + full batch 40ms = 45ms: within the 100ms SLO by the profile (85ms behind another
+    # full batch), not with the pods measured 2.5x as slow as the model.
+    profile = write_profile(tmp_path, {1: 0.010, 16: 0.040})
+    path = policy_file(tmp_path, POLICY)
+    plain = json.loads(validate(path, "--profile", profile, "-o", "json").stdout)
+    assert [f["check"] for f in plain["findings"]] == ["calibration"]
+    assert plain["findings"][0]["severity"] == "info" and "not measured" in plain["findings"][0]["message"]
+    result = validate(path, "--profile", profile, "--calibration", live_policy(tmp_path, 2.5), "-o", "json")
+    assert result.returncode == 0, result.stdout  # warnings: the live figures inform, the bounds decide
+    found = [f for f in json.loads(result.stdout)["findings"] if f["check"] == "calibration"]
+    (info,) = [f for f in found if f["severity"] == "info"]
+    assert info["lane"] == "interactive" and "model error last window -60%" in info["message"]
+    warnings = [f for f in found if f["severity"] == "warning"]
+    assert len(warnings) == 2
+    assert any("more than 25%" in w["message"] for w in warnings)
+    over = next(w for w in warnings if "correction" in w["message"])
+    assert over["field"] == "spec.lanes[0].maxQueueDelay" and "45ms is 112ms" in over["message"]
+    # Another policy's checks do not apply; a model within tolerance gives the notice alone.
+    other = json.loads(validate(path, "--profile", profile, "--calibration", live_policy(tmp_path, 2.0, "other"),
+                                "-o", "json").stdout)  # fmt: skip
+    assert "not measured" in other["findings"][0]["message"]
+    text = validate(path, "--profile", profile, "--calibration", live_policy(tmp_path, 1.1), "-o", "github").stdout
+    assert text.startswith("::notice ") and "::warning" not in text and "model error last window -9%" in text

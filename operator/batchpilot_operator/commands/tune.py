@@ -25,6 +25,7 @@ from typing import Any
 import yaml
 
 from batchpilot_operator.spec import KIND, LaneSpec, PolicySpec, parse_spec
+from batchpilot_operator.tune.calibration import UNMEASURED, LaneCalibration, load_calibration
 from batchpilot_operator.tune.profile import load_profile
 from batchpilot_operator.tune.search import SLOTargets, TuneResult, result_dict, search
 from batchpilot_operator.tune.trace import load_trace
@@ -66,6 +67,12 @@ def register(subparsers: Any) -> None:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("-o", "--output", choices=["text", "json", "yaml"], default="text")
     p.add_argument("--patch-out", help="also write the patch (YAML) to this file")
+    p.add_argument(
+        "--calibration",
+        help="the model's measured error for this lane, to apply and print: a BatchingPolicy with its status "
+        "(kubectl get batchingpolicy NAME -o yaml) or its status.recommendation.calibration "
+        "(default: the --policy file's status, if it has one)",
+    )
     p.set_defaults(func=run)
 
 
@@ -88,15 +95,17 @@ def _lane_fields(result: TuneResult) -> dict[str, Any]:
     return {"maxBatchSize": s.max_batch_size, "maxQueueDelay": format_duration(s.max_queue_delay)}
 
 
-def _prediction_comment(result: TuneResult, lane: str) -> str:
-    p = result.at_target.summary(result.targets.quantile)
+def _prediction_comment(out: dict[str, Any], result: TuneResult, lane: str) -> str:
+    p = out["predicted_at_target"]
+    t = out["targets_s"]
     lines = [
         f"batchpilot tune: lane {lane}, replicas {result.replicas}",
         f"predicted at {result.target_rate:.4g} req/s: p99 {p['p99_latency_s'] * 1e3:.3g} ms, "
         f"p99 queue age {p['p99_queue_age_s'] * 1e3:.3g} ms, mean batch {p['mean_batch_size']:.3g}, "
         f"utilization {p['utilization']:.1%}",
-        f"predicted capacity {result.capacity:.4g} req/s (p99 <= {result.targets.latency * 1e3:.3g} ms, "
-        f"queue age <= {result.targets.queue_age * 1e3:.3g} ms, SLO less margin)",
+        f"predicted capacity {result.capacity:.4g} req/s (p99 <= {t['p99_latency'] * 1e3:.3g} ms, "
+        f"queue age <= {t['queue_age'] * 1e3:.3g} ms, SLO less margin)",
+        out["model"]["summary"],
     ]
     return "".join(f"# {line}\n" for line in lines)
 
@@ -166,6 +175,8 @@ def _run(args: argparse.Namespace) -> int:
     max_queue_length = max_queue_length or 1024
     request_timeout = request_timeout if request_timeout is not None else 4 * p99
 
+    calibration = _calibration(args.calibration, doc, policy_name, lane)
+    correction = calibration.correction if calibration is not None else 1.0
     trace = load_trace(args.trace)
     profile = load_profile(args.profile)
     notes: list[str] = []
@@ -179,10 +190,16 @@ def _run(args: argparse.Namespace) -> int:
             f"the profile was measured on {profile.model.device!r}, the policy runs on {spec.model.device!r}: "
             "predictions hold for the profiled device only"
         )
+    if correction != 1.0:
+        notes.append(
+            f"p99 predictions carry the lane's measured correction x{correction:.3g} (observed / model); "
+            "the search ran under the SLO divided by it"
+        )
     result = search(
         trace,
         profile,
-        SLOTargets(p99_latency=p99, queue_age=queue_age, margin=args.margin),
+        # The model's p99 times the correction must meet the SLO: search under the SLO / correction.
+        SLOTargets(p99_latency=p99 / correction, queue_age=queue_age, margin=args.margin),
         replicas=replicas,
         target_rate=rate,
         max_queue_length=max_queue_length,
@@ -198,7 +215,16 @@ def _run(args: argparse.Namespace) -> int:
         "requestTimeout": format_duration(request_timeout),
     }
     patch, merge_patch = build_patch(result, doc, spec, lane, lane_defaults)
-    comment = _prediction_comment(result, lane)
+    out = result_dict(result)
+    # Stated as corrected figures against the real SLO less margin.
+    out["predicted_at_target"]["p99_latency_s"] *= correction
+    out["targets_s"]["p99_latency"] = p99 * (1 - args.margin)
+    out["model"] = (
+        {"measured": False, "correction": 1.0, "summary": UNMEASURED}
+        if calibration is None
+        else {"measured": bool(calibration.checks)} | calibration.to_dict()
+    )
+    comment = _prediction_comment(out, result, lane)
     if doc is not None:
         target = f"{KIND}/{policy_name}" if policy_name else KIND
         comment += f"# RFC 6902 patch for {target}: kubectl patch --type json, or a kustomize patches: entry\n"
@@ -208,7 +234,6 @@ def _run(args: argparse.Namespace) -> int:
     if args.patch_out:
         Path(args.patch_out).write_text(patch_yaml)
 
-    out = result_dict(result)
     out["lane"] = lane
     out["policy"] = policy_name or None
     out["slo_s"] = {"p99_latency": p99, "queue_age": queue_age}
@@ -236,6 +261,22 @@ def _run(args: argparse.Namespace) -> int:
     return 0
 
 
+def _calibration(path: str | None, doc: dict[str, Any] | None, policy: str, lane: str) -> LaneCalibration | None:
+    """The lane's calibration from ``--calibration``, else from the policy file's status (None: neither)."""
+    if path is not None:
+        source = yaml.safe_load(Path(path).read_text())
+        if not isinstance(source, dict):
+            raise ValueError(f"{path}: expected a BatchingPolicy or its status.recommendation.calibration")
+        lanes = load_calibration(source, policy or None)
+    elif doc is not None and ((doc.get("status") or {}).get("recommendation") or {}).get("calibration"):
+        lanes = load_calibration(doc)
+    else:
+        return None
+    if lane not in lanes:
+        raise ValueError(f"the calibration has no lane {lane!r} (lanes: {sorted(lanes)})")
+    return lanes[lane]
+
+
 def _json_default(value: Any) -> Any:
     if isinstance(value, float) and not math.isfinite(value):
         return None
@@ -261,6 +302,7 @@ def _print_text(out: dict[str, Any], result: TuneResult, patch_yaml: str) -> Non
     )
     print(f"recommended: maxBatchSize {s.max_batch_size}, maxQueueDelay {format_duration(s.max_queue_delay)}")
     print(f"predicted capacity: {result.capacity:.4g} req/s (all replicas)")
+    print(out["model"]["summary"])
     print(
         f"predicted at {result.target_rate:.4g} req/s: p99 {_ms(p['p99_latency_s'])}, "
         f"p99 queue age {_ms(p['p99_queue_age_s'])}, mean batch {p['mean_batch_size']:.3g}, "

@@ -6,6 +6,12 @@ skipped) is validated with the same pydantic models the operator uses
 latency profiles (``--profile``, matched to a policy by model source), checked for
 feasibility against its SLOs (:mod:`batchpilot_operator.feasibility`).
 
+The latency model's measured error (``status.recommendation.calibration`` of the live policy:
+``--calibration`` with ``kubectl get batchingpolicy NAME -o yaml``, matched by name, or the
+status in the file itself) is stated per lane as a notice next to the feasibility verdict; a last
+error beyond 25% and an idle-executor latency that the measured correction puts over the SLO are
+warnings.
+
 Output: ``-o text`` (default; ``file:line: severity: policy[/lane] field: message``),
 ``-o json`` (``{"ok", "files", "policies", "findings": [...]}``), ``-o github`` (workflow
 commands, ``::error file=...,line=...::message``, shown as annotations on the pull request).
@@ -25,8 +31,9 @@ from typing import Any, TextIO
 import yaml
 from pydantic import ValidationError
 
-from batchpilot_operator.feasibility import check_policy, check_rollout
+from batchpilot_operator.feasibility import check_policy, check_rollout, lane_budget, ms
 from batchpilot_operator.spec import API_VERSION, KIND, parse_spec
+from batchpilot_operator.tune.calibration import TOLERANCE, UNMEASURED, LaneCalibration, load_calibration
 from batchpilot_operator.tune.profile import LatencyProfile, load_profile
 
 NAME_RE = re.compile(r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)*$")
@@ -80,12 +87,20 @@ def register(sub: Any) -> None:
         type=Path,
         help="a latency profile (`batchpilot profile`); repeatable, matched to policies by model source",
     )
+    p.add_argument(
+        "--calibration",
+        action="append",
+        default=[],
+        type=Path,
+        help="a live BatchingPolicy with its status (kubectl get batchingpolicy NAME -o yaml): the model's "
+        "measured error per lane, matched to policies by name; repeatable",
+    )
     p.add_argument("-o", "--output", choices=["text", "json", "github"], default="text")
     p.set_defaults(func=run)
 
 
 def run(args: argparse.Namespace) -> int:
-    report = validate_paths(list(args.files), list(args.profile))
+    report = validate_paths(list(args.files), list(args.profile), list(args.calibration))
     render(report, args.output, sys.stdout)
     return 1 if report.errors else 0
 
@@ -103,9 +118,19 @@ def expand(paths: list[Path]) -> list[Path]:
     return out
 
 
-def validate_paths(paths: list[Path], profile_paths: list[Path]) -> Report:
+def validate_paths(paths: list[Path], profile_paths: list[Path], calibration_paths: list[Path] | None = None) -> Report:
     report = Report(problems=[])
     problems: list[Problem] = report.problems  # type: ignore[assignment]
+    calibrations: dict[str, dict[str, LaneCalibration]] = {}
+    for cp in calibration_paths or []:
+        try:
+            for live in yaml.safe_load_all(cp.read_text()):
+                if isinstance(live, dict) and live.get("kind") == KIND:
+                    calibrations[str((live.get("metadata") or {}).get("name"))] = load_calibration(live)
+        except (OSError, ValueError, yaml.YAMLError) as exc:
+            problems.append(
+                Problem(str(cp), "error", f"cannot read the calibration: {_one_line(exc)}", check="calibration")
+            )
     profiles: dict[str, LatencyProfile] = {}
     for pp in profile_paths:
         try:
@@ -118,11 +143,16 @@ def validate_paths(paths: list[Path], profile_paths: list[Path]) -> Report:
         profiles[prof.model.source] = prof
     for path in expand(paths):
         report.files += 1
-        problems.extend(validate_file(path, profiles, report))
+        problems.extend(validate_file(path, profiles, report, calibrations))
     return report
 
 
-def validate_file(path: Path, profiles: dict[str, LatencyProfile], report: Report | None = None) -> list[Problem]:
+def validate_file(
+    path: Path,
+    profiles: dict[str, LatencyProfile],
+    report: Report | None = None,
+    calibrations: dict[str, dict[str, LaneCalibration]] | None = None,
+) -> list[Problem]:
     name = str(path)
     try:
         text = path.read_text()
@@ -141,12 +171,16 @@ def validate_file(path: Path, profiles: dict[str, LatencyProfile], report: Repor
             continue
         if report is not None:
             report.policies += 1
-        problems.extend(validate_document(name, node, doc, profiles))
+        problems.extend(validate_document(name, node, doc, profiles, calibrations))
     return problems
 
 
 def validate_document(
-    file: str, node: yaml.Node, doc: dict[str, Any], profiles: dict[str, LatencyProfile]
+    file: str,
+    node: yaml.Node,
+    doc: dict[str, Any],
+    profiles: dict[str, LatencyProfile],
+    calibrations: dict[str, dict[str, LaneCalibration]] | None = None,
 ) -> list[Problem]:
     meta = doc.get("metadata") if isinstance(doc.get("metadata"), dict) else {}
     assert isinstance(meta, dict)
@@ -202,6 +236,41 @@ def validate_document(
     for finding in check_policy(spec, profile):
         path = _loc_of_field(finding.field)
         problem(finding.severity, finding.message, path, field=finding.field, lane=finding.lane, check=finding.check)
+    lanes_cal = (calibrations or {}).get(str(policy))
+    if lanes_cal is None and ((doc.get("status") or {}).get("recommendation") or {}).get("calibration"):
+        try:
+            lanes_cal = load_calibration(doc)
+        except ValueError:
+            lanes_cal = None
+    if lanes_cal is None:
+        problem("info", UNMEASURED, check="calibration")
+        return problems
+    for i, lane_spec in enumerate(spec.lanes):
+        cal = lanes_cal.get(lane_spec.name)
+        if cal is None:
+            continue
+        path = ("spec", "lanes", i)
+        problem("info", cal.summary(), path, lane=lane_spec.name, check="calibration")
+        if cal.within_tolerance is False:
+            problem(
+                "warning",
+                f"the latency model missed this lane's p99 by more than {TOLERANCE:.0%} in its last live window: "
+                "the feasibility figures above rest on the profile and may be off by as much",
+                path,
+                lane=lane_spec.name,
+                check="calibration",
+            )
+        b = lane_budget(spec, lane_spec, profile)
+        if cal.correction > 1 and b.best_case_worst <= b.slo < b.best_case_worst * cal.correction:
+            problem(
+                "warning",
+                f"window + full batch + overhead = {ms(b.best_case_worst)} is {ms(b.best_case_worst * cal.correction)} "
+                f"with the lane's measured correction x{cal.correction:.3g}, over the p99 SLO {ms(b.slo)}",
+                (*path, "maxQueueDelay"),
+                field=f"spec.lanes[{i}].maxQueueDelay",
+                lane=lane_spec.name,
+                check="calibration",
+            )
     return problems
 
 
@@ -266,7 +335,7 @@ def render(report: Report, output: str, out: TextIO) -> None:
         return
     if output == "github":
         for p in problems:
-            level = "error" if p.severity == "error" else "warning"
+            level = {"error": "error", "warning": "warning"}.get(p.severity, "notice")
             props = f"file={_gh_prop(p.file)}"
             if p.line:
                 props += f",line={p.line}"

@@ -256,3 +256,26 @@ def _from_ms(x: Any) -> float:
 
 def _ms_text(x: float) -> str:
     return "inf" if not math.isfinite(x) else f"{x * 1e3:.3g} ms"
+
+
+UNMEASURED: Final = (
+    "model error: not measured for this policy (the prediction comes from the profile alone; a policy with "
+    "spec.tuning keeps its checks in status.recommendation.calibration: pass them with --calibration)"
+)
+
+
+def load_calibration(doc: Mapping[str, Any], policy: str | None = None) -> dict[str, LaneCalibration]:
+    """Per lane, the calibration in a document: a BatchingPolicy with its status (``kubectl get
+    batchingpolicy NAME -o yaml``), its ``status.recommendation``, or the ``calibration`` map itself.
+    With ``policy``, a BatchingPolicy of another name is refused (its checks are not this policy's)."""
+    if "status" in doc or doc.get("kind"):
+        name = (doc.get("metadata") or {}).get("name")
+        if policy and name and name != policy:
+            raise ValueError(f"the calibration is policy {name!r}'s, not {policy!r}'s")
+        doc = (doc.get("status") or {}).get("recommendation") or {}
+    if "calibration" in doc and isinstance(doc["calibration"], Mapping):
+        doc = doc["calibration"]
+    out = {str(k): LaneCalibration.from_dict(v) for k, v in doc.items() if isinstance(v, Mapping)}
+    if not out:
+        raise ValueError("no calibration found (expected status.recommendation.calibration of a BatchingPolicy)")
+    return out
