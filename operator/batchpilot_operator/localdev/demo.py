@@ -37,6 +37,7 @@ from batchpilot_operator.localdev.cluster import REPO_ROOT, LocalCluster
 from batchpilot_operator.localdev.gateway import LocalGateway, httproute
 from batchpilot_operator.localdev.harness import RuntimeHarness
 from batchpilot_operator.localdev.load import TraceReplay
+from batchpilot_operator.localdev.modelcheck import OutcomeCollector, window_rows, window_table
 from batchpilot_operator.localdev.prometheus import PrometheusServer
 from batchpilot_operator.spec import parse_spec
 from batchpilot_operator.tune.trace import load_trace
@@ -63,6 +64,9 @@ class Demo:
         self.operator: subprocess.Popen[bytes] | None = None
         self.replay: TraceReplay | None = None
         self.gateway: LocalGateway | None = None
+        self.collector: OutcomeCollector | None = None
+        self.analyses: dict[tuple[Any, ...], dict[str, Any]] = {}
+        """Every analysis seen in a status read (the status keeps only the newest)."""
 
     # ---- set-up and tear-down -------------------------------------------------------------
     @contextlib.contextmanager
@@ -105,6 +109,8 @@ class Demo:
         self.say(f"operator running (log: {self.workdir / 'operator.log'})")
 
     def _stop(self) -> None:
+        if self.collector:
+            self.collector.stop()
         if self.replay:
             self.replay.stop()
         if self.operator and self.operator.poll() is None:
@@ -139,6 +145,10 @@ class Demo:
         if not out:
             return {}
         status: dict[str, Any] = json.loads(out).get("status") or {}
+        for entry in status.get("ledger") or []:
+            if entry.get("kind") == "Analysis":
+                key = tuple(entry.get(k) for k in ("time", "metric", "track", "lane", "tenant", "revision"))
+                self.analyses[key] = entry
         return status
 
     def gitops_apply(self, path: Path) -> None:
@@ -179,6 +189,8 @@ class Demo:
         self.say(
             f"two clients share it: {', '.join(f'{t} {w:.0%}' for t, w in TENANTS)} of the requests (X-Batchpilot-Tenant)"
         )
+        # The model's p99 against the pods' for every analysis window (the report's model.json).
+        self.collector = OutcomeCollector(lambda: self.harness.endpoints(POLICY) if self.harness else []).start()
         front = [self.gateway.front(POLICY)]
         self.replay = TraceReplay(trace.scaled_arrivals(self.rate), lambda: front, MODEL, tenants=TENANTS).start()
         time.sleep(5)  # a few seconds of steady traffic on the stable revision before changing it
@@ -625,8 +637,19 @@ def write_report(demo: Demo, final_status: dict[str, Any], out: Path) -> Path:
     (out / "series.json").write_text(json.dumps(data.panels))
     (out / "summary.json").write_text(json.dumps(data.summary, indent=2))
     (out / "tenants.json").write_text(json.dumps(data.tenants, indent=2))
+    model_rows: list[dict[str, Any]] = []
+    if demo.collector is not None:
+        demo.collector.poll()
+        ledger = sorted(demo.analyses.values(), key=lambda e: str(e.get("time")))
+        model_rows = window_rows(demo.collector, ledger, data.start)
+    (out / "model.json").write_text(json.dumps(model_rows, indent=2, default=str))
     (out / "summary.txt").write_text(
-        summary_table(data.summary) + "\n\nper tenant:\n" + tenant_table(data.tenants) + "\n"
+        summary_table(data.summary)
+        + "\n\nper tenant:\n"
+        + tenant_table(data.tenants)
+        + "\n\nlatency model, predicted vs observed p99 per analysis window:\n"
+        + window_table(model_rows)
+        + "\n"
     )
     return png
 
@@ -655,6 +678,8 @@ def run_demo(workdir: Path, rate: float, trace: Path) -> int:
         png = write_report(demo, demo.status() or final, workdir / "report")
         console.rule("p99 latency per tenant (report/tenants.json)")
         console.print(tenant_table(json.loads((workdir / "report" / "tenants.json").read_text())), markup=False)
+        console.rule("latency model: predicted vs observed p99 per analysis window (report/model.json)")
+        console.print(window_table(json.loads((workdir / "report" / "model.json").read_text())), markup=False)
     console.rule("done")
     console.print(f"report: {png} (ledger.json and history.json beside it)")
     console.print(f"scenario finished in {time.monotonic() - t0:.0f}s; everything it started has been stopped")

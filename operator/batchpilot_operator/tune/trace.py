@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import csv
 import math
+import random
 from collections.abc import Sequence
 from dataclasses import dataclass
 from datetime import datetime
@@ -64,6 +65,15 @@ class Trace:
         mean = sum(gaps) / len(gaps)
         var = sum((g - mean) ** 2 for g in gaps) / len(gaps)
         return math.sqrt(var) / mean if mean > 0 else math.inf
+
+    def spread(self, width: float, seed: int = 0) -> Trace:
+        """Each arrival moved uniformly at random within ``[t, t + width)`` (fixed ``seed``): for a
+        trace whose timestamps are rounded to ``width``-second buckets (the conversation trace's
+        3 s), so a bucket's requests are spread over it instead of arriving as one burst."""
+        if not width > 0:
+            raise ValueError(f"spread width must be positive, got {width}")
+        rng = random.Random(seed)
+        return Trace.from_times([t + rng.uniform(0.0, width) for t in self.arrivals], self.source)
 
     def scale_factor(self, rate: float) -> float:
         """The factor arrival times are divided by to reach ``rate`` requests/s."""

@@ -1,0 +1,284 @@
+"""The latency model against the runtime over a grid: traces x loads x settings, with repeats.
+
+For each arrival trace (the bursty code trace; the conversation trace with its 3 s buckets
+spread uniformly at random, seed 0, as its README asks), each batching setting and each load
+(a fraction of the setting's throughput ceiling ``B / E(B)`` from the profile: a prediction,
+said as such), a fresh runtime serves the trace slice open-loop ``--repeats`` times. Per run:
+
+* **client**: p99 from the load generator (latency from the scheduled send time, so a late send
+  counts against the server; the send lateness p99 is recorded);
+* **server**: the runtime's own record of the same requests (``/admin/arrivals`` outcomes: the
+  latency from the handler's start to the answer) and the model's p99 for *the arrivals the
+  server saw*, through :func:`batchpilot_operator.tune.calibration.check_lane` — what the
+  operator's calibration does live. It removes the load generator from the comparison.
+
+Per row (trace, setting, load): the prediction (the tuner's simulator on the scheduled
+arrivals, with the profile measured in-process and the per-request overhead measured at load
+as in tune_validation), the measured median, min and max over the repeats, the **noise floor**
+(the repeats' spread, (max - min) / median: the same setting measured again), and the error
+(predicted / median - 1) printed beside it. Summary: share of rows within 20%, Spearman rank
+correlation of predicted vs measured, per trace and overall, and the median noise floor.
+
+Pinned cores: with ``--pin`` (default when the machine has at least 4 cores) the runtime's
+processes run on the cores after the first and the load generator on core 0; on 2 cores the
+server, its model process and the load generator share both (pinning the runtime to one core
+would make its two processes contend), and the JSON says so.
+
+Usage: .venv/bin/python bench/latency_model_grid.py [--requests 800] [--repeats 3] --out bench/results/latency_model_grid.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+BENCH = Path(__file__).resolve().parent
+sys.path.insert(0, str(BENCH))
+
+import benchlib  # noqa: E402
+import tune_validation as tv  # noqa: E402
+from batchpilot_operator.tune.calibration import Observed, Window, check_lane  # noqa: E402
+from batchpilot_operator.tune.live import merge_traffic, parse_capture  # noqa: E402
+from batchpilot_operator.tune.profile import LatencyProfile  # noqa: E402
+from batchpilot_operator.tune.simulator import LaneSettings, simulate  # noqa: E402
+from batchpilot_operator.tune.trace import Trace, load_trace  # noqa: E402
+from batchpilot_runtime.config import format_duration, parse_duration  # noqa: E402
+
+TRACES = BENCH.parent.parent / "shared" / "traces"
+CODE = TRACES / "azure-llm-2023-code.csv"
+CONVERSATION = TRACES / "mooncake-2025-conversation.csv"
+BUCKET_S = 3.0
+
+
+def log(msg: str) -> None:
+    print(f"[latency_model_grid {time.strftime('%H:%M:%S')}] {msg}", file=sys.stderr, flush=True)
+
+
+def traces(n: int, code_start: int) -> dict[str, Trace]:
+    code = load_trace(CODE)
+    conv = load_trace(CONVERSATION).spread(BUCKET_S, seed=0)
+    return {
+        "code": Trace.from_times(code.arrivals[code_start : code_start + n], code.source),
+        "conversation": Trace.from_times(conv.arrivals[:n], conv.source + " (3 s buckets spread, seed 0)"),
+    }
+
+
+def spearman(xs: list[float], ys: list[float]) -> float | None:
+    """Rank correlation (average ranks for ties); None below 3 pairs."""
+    if len(xs) < 3:
+        return None
+
+    def ranks(v: list[float]) -> list[float]:
+        order = sorted(range(len(v)), key=lambda i: v[i])
+        out = [0.0] * len(v)
+        i = 0
+        while i < len(order):
+            j = i
+            while j + 1 < len(order) and v[order[j + 1]] == v[order[i]]:
+                j += 1
+            for k in range(i, j + 1):
+                out[order[k]] = (i + j) / 2
+            i = j + 1
+        return out
+
+    rx, ry = ranks(xs), ranks(ys)
+    mx, my = statistics.fmean(rx), statistics.fmean(ry)
+    cov = sum((a - mx) * (b - my) for a, b in zip(rx, ry, strict=True))
+    den = math.sqrt(sum((a - mx) ** 2 for a in rx) * sum((b - my) ** 2 for b in ry))
+    return round(cov / den, 3) if den > 0 else None
+
+
+def server_check(rt: tv.Runtime, since: float, profile: LatencyProfile, settings: LaneSettings) -> dict[str, Any]:
+    """The model's p99 for the arrivals the server recorded vs the server's own p99 for them."""
+    doc = tv.fetch_json(f"{rt.url}/admin/arrivals?since={since:.1f}s")
+    traffic = merge_traffic([parse_capture(doc, "bench")], "interactive")
+    if traffic.outcomes is None:
+        return {"skipped": "no outcomes"}
+    arrivals = [t - traffic.start for t in traffic.times]
+    observed = Observed(tuple(o[1] for o in traffic.outcomes), tuple(o[2] for o in traffic.outcomes))
+    got = check_lane(Window(traffic.end, arrivals, observed, settings, 1), profile, 1.0)
+    if isinstance(got, str):
+        return {"skipped": got}
+    return {
+        "requests": got.requests,
+        "predicted_p99_ms": tv._ms(got.predicted_p99),
+        "observed_p99_ms": tv._ms(got.observed_p99),
+        "error": round(got.raw_error, 3),
+    }
+
+
+def run_once(
+    tmp: Path, args: argparse.Namespace, settings: LaneSettings, offsets: list[float], profile: LatencyProfile
+) -> dict[str, Any]:
+    body = benchlib.mlp_body(1)
+    rt = tv.Runtime(tmp, args.source, args.threads, settings)
+    try:
+        if args.pin_cores:
+            _pin(rt.proc.pid, args.pin_cores[1:])
+        tv.replay(rt, [k * 0.02 for k in range(50)], body)  # warm up
+        started = time.time()
+        res = tv.replay(rt, offsets, body)
+        check = server_check(rt, time.time() - started, profile, settings)
+    finally:
+        rt.stop()
+    return {
+        "client_p99_ms": tv._num(res["slo_p99_ms"]),
+        "client_p50_ms": tv._num(res["latency_ms"]["p50"]),
+        "errors": res["errors"],
+        "send_lag_p99_ms": tv._num(res["send_lag_ms"]["p99"]),
+        "server": check,
+        "loadavg_1m": round(os.getloadavg()[0], 2),
+    }
+
+
+def _pin(pid: int, cores: list[int]) -> None:
+    """The runtime and its children (the model process) on ``cores``."""
+    import subprocess
+
+    kids = subprocess.run(["pgrep", "-P", str(pid)], capture_output=True, text=True, check=False).stdout.split()
+    for p in [str(pid), *kids]:  # -a: every thread of each
+        subprocess.run(["taskset", "-a", "-p", "-c", ",".join(map(str, cores)), p], capture_output=True, check=False)
+
+
+def summarize(rows: list[dict[str, Any]]) -> dict[str, Any]:
+    def block(sel: list[dict[str, Any]]) -> dict[str, Any]:
+        ok = [r for r in sel if r["measured_p99_ms"]["median"] and r["predicted_p99_ms"]]
+        within = [r for r in ok if abs(r["error"]) <= 0.2]
+        server = [r for r in sel if r.get("server_error_median") is not None]
+        return {
+            "rows": len(sel),
+            "rows_compared": len(ok),
+            "within_20pct": len(within),
+            "within_20pct_share": round(len(within) / len(ok), 3) if ok else None,
+            "spearman": spearman([r["predicted_p99_ms"] for r in ok], [r["measured_p99_ms"]["median"] for r in ok]),
+            "median_abs_error": round(statistics.median(abs(r["error"]) for r in ok), 3) if ok else None,
+            "median_noise_floor": round(statistics.median(r["noise_floor"] for r in ok), 3) if ok else None,
+            "server_within_20pct_share": round(
+                sum(1 for r in server if abs(r["server_error_median"]) <= 0.2) / len(server), 3
+            )
+            if server
+            else None,
+        }
+
+    out = {"all": block(rows)}
+    for name in sorted({r["trace"] for r in rows}):
+        out[name] = block([r for r in rows if r["trace"] == name])
+    return out
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--requests", type=int, default=800, help="arrivals per trace slice")
+    ap.add_argument("--code-start", type=int, default=2000, help="first arrival of the code trace's slice")
+    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--settings", default="1:1ms,4:2ms,8:2ms,16:5ms,32:10ms,64:20ms", help="B:W,...")
+    ap.add_argument("--loads", default="0.3,0.6,0.85", help="fractions of each setting's throughput ceiling")
+    ap.add_argument("--traces", default="code,conversation")
+    ap.add_argument("--source", default="builtin:mlp")
+    ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--max-rate", type=float, default=400.0, help="cap on the offered rate (the load generator's)")
+    ap.add_argument("--calib-rate", type=float, default=20.0)
+    ap.add_argument("--pin", choices=["auto", "on", "off"], default="auto")
+    ap.add_argument("--out")
+    args = ap.parse_args()
+    cores = os.cpu_count() or 1
+    pin = args.pin == "on" or (args.pin == "auto" and cores >= 4)
+    args.pin_cores = list(range(cores)) if pin else []
+    if pin:
+        os.sched_setaffinity(0, {0})  # this process and the load generators it starts on core 0
+
+    log("profiling the model in-process (runtime loader)")
+    profile = tv.measure_profile(args.source, args.threads, [1, 2, 4, 8, 16, 32, 64], 20)
+    body = benchlib.mlp_body(1)
+    settings_list = []
+    for spec in args.settings.split(","):
+        b, w = spec.split(":")
+        settings_list.append(LaneSettings(int(b), parse_duration(w), 100_000, 30.0))
+    loads = [float(x) for x in args.loads.split(",")]
+    all_traces = traces(args.requests, args.code_start)
+    rows: list[dict[str, Any]] = []
+    started = time.time()
+    with tempfile.TemporaryDirectory(prefix="bp-model-grid-") as tmpdir:
+        tmp = Path(tmpdir)
+        # Per-request overhead outside the model at working load (tune_validation's method).
+        calib_settings = LaneSettings(1, 0.0, 100_000, 30.0)
+        calib_offsets = [k / args.calib_rate for k in range(int(args.calib_rate * 15))]
+        rt = tv.Runtime(tmp, args.source, args.threads, calib_settings)
+        try:
+            tv.replay(rt, [k * 0.05 for k in range(40)], body)
+            calib = tv.replay(rt, calib_offsets, body)
+        finally:
+            rt.stop()
+        sim0 = simulate(calib_offsets, calib_settings, profile.exec_table(1, "p50"))
+        overhead = max(0.0, float(calib["latency_ms"]["p50"]) / 1e3 - sorted(sim0.latencies)[len(sim0.latencies) // 2])
+        profile = profile.model_copy(update={"request_overhead": overhead, "quantile": "p90"})
+        log(f"request overhead {overhead * 1e3:.3f} ms")
+        for trace_name in args.traces.split(","):
+            trace = all_traces[trace_name]
+            for settings in settings_list:
+                table = profile.exec_table(settings.max_batch_size)
+                ceiling = settings.max_batch_size / table[settings.max_batch_size - 1]
+                for load in loads:
+                    rate = min(load * ceiling, args.max_rate)
+                    arrivals = trace.scaled_arrivals(rate)
+                    sim = simulate(arrivals, settings, table, request_overhead=profile.request_overhead)
+                    offsets = [round(t, 6) for t in arrivals]
+                    runs = [run_once(tmp, args, settings, offsets, profile) for _ in range(args.repeats)]
+                    p99s = [r["client_p99_ms"] for r in runs if r["client_p99_ms"]]
+                    med = statistics.median(p99s) if p99s else None
+                    predicted = tv._ms(sim.latency_quantile(0.99))
+                    server_errors = [r["server"]["error"] for r in runs if "error" in r["server"]]
+                    row = {
+                        "trace": trace_name,
+                        "setting": {
+                            "maxBatchSize": settings.max_batch_size,
+                            "maxQueueDelay": format_duration(settings.max_queue_delay),
+                        },
+                        "load": load,
+                        "ceiling_rps": round(ceiling, 1),
+                        "rate_rps": round(rate, 2),
+                        "requests": trace.count,
+                        "predicted_p99_ms": predicted,
+                        "measured_p99_ms": {
+                            "median": med,
+                            "min": min(p99s) if p99s else None,
+                            "max": max(p99s) if p99s else None,
+                            "runs": p99s,
+                        },
+                        "noise_floor": round((max(p99s) - min(p99s)) / med, 3) if p99s and med else None,
+                        "error": round(predicted / med - 1, 3) if predicted and med else None,
+                        "server_error_median": round(statistics.median(server_errors), 3) if server_errors else None,
+                        "runs": runs,
+                    }
+                    rows.append(row)
+                    log(
+                        f"{trace_name} B={settings.max_batch_size} W={format_duration(settings.max_queue_delay)} "
+                        f"{load:.0%} ({rate:.1f} req/s): predicted {predicted} ms, measured {p99s} ms "
+                        f"(noise floor {row['noise_floor']}), error {row['error']}, server error {server_errors}"
+                    )
+    out = {
+        "command": " ".join(sys.argv),
+        "machine": {"cores": cores, "pinned": pin, "loadavg_1m_end": round(os.getloadavg()[0], 2)},
+        "profile": profile.model_dump(mode="json", by_alias=True, exclude_none=True),
+        "request_overhead_ms": round(overhead * 1e3, 3),
+        "elapsed_s": round(time.time() - started, 1),
+        "summary": summarize(rows),
+        "rows": rows,
+    }
+    text = json.dumps(out, indent=2)
+    print(json.dumps(out["summary"], indent=2))
+    if args.out:
+        Path(args.out).write_text(text)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

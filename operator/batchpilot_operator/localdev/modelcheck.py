@@ -1,0 +1,202 @@
+"""The demo's latency model check: predicted against observed p99 for every analysis window.
+
+While the demo runs, :class:`OutcomeCollector` reads every runtime process's
+``/admin/arrivals`` (arrivals and the outcome of each admitted request) and ``/admin/profile``
+every few seconds, and keeps them per pod: pods come and go during a rollout, so what a
+replaced pod served is kept from before it went.
+
+:func:`window_rows` then takes each lane-level p99 analysis of the ledger (the canary and the
+stable track it was compared with, over the analysis's own query window) and replays the
+arrivals those pods really received through the tuner's model, with the setting they ran and
+the profile they measured (:func:`batchpilot_operator.tune.calibration.check_lane`: the same
+check the operator's calibration makes). Each row: the model's p99, the p99 the pods recorded
+for the same requests, and the p99 Prometheus gave the analysis (its histogram buckets and
+rate window: an estimate of the same thing).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import re
+import threading
+import urllib.request
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from datetime import datetime
+from typing import Any
+
+from batchpilot_operator.tune.calibration import Observed, Window, check_lane
+from batchpilot_operator.tune.live import lane_settings_from_spec, merge_profiles
+
+_RANGE = re.compile(r"\[(\d+(?:\.\d+)?)s\]")
+
+
+@dataclass
+class PodRecord:
+    pod: str
+    revision: str
+    track: str
+    settings: dict[str, dict[str, Any]] = field(default_factory=dict)  # lane -> settings
+    profile: dict[str, Any] | None = None
+    # lane -> arrival time -> (rows, latency or None while unanswered, queue wait)
+    arrivals: dict[str, dict[float, list[Any]]] = field(default_factory=dict)
+
+
+class OutcomeCollector:
+    """Polls ``endpoints()`` (objects with ``pod`` and ``url``) every ``interval`` seconds."""
+
+    def __init__(self, endpoints: Callable[[], Sequence[Any]], interval: float = 5.0) -> None:
+        self.endpoints = endpoints
+        self.interval = interval
+        self.pods: dict[str, PodRecord] = {}
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._loop, name="outcome-collector", daemon=True)
+
+    def start(self) -> OutcomeCollector:
+        self._thread.start()
+        return self
+
+    def stop(self) -> None:
+        self._stop.set()
+        self._thread.join(timeout=30)
+        self.poll()  # the last seconds
+
+    def _loop(self) -> None:
+        while not self._stop.wait(self.interval):
+            self.poll()
+
+    def poll(self) -> None:
+        for ep in list(self.endpoints()):
+            with contextlib.suppress(OSError, ValueError, KeyError):
+                self._read(ep)
+
+    def _read(self, ep: Any) -> None:
+        since = f"{3 * self.interval:g}s"
+        doc = _get(f"{ep.url}/admin/arrivals?since={since}")
+        rec = self.pods.get(ep.pod)
+        if rec is None:
+            rec = self.pods[ep.pod] = PodRecord(ep.pod, str(doc["revision"]), str(doc.get("track", "")))
+        rec.profile = _get(f"{ep.url}/admin/profile")  # live batches refine it as the pod serves
+        for lane in doc["lanes"]:
+            name = str(lane["name"])
+            rec.settings[name] = dict(lane.get("settings") or {})
+            held = rec.arrivals.setdefault(name, {})
+            base = float(lane.get("base", 0.0))
+            for t, rows in zip(lane.get("times", []), lane.get("rows", []), strict=True):
+                held.setdefault(round(base + float(t), 6), [int(rows), None, None])
+            out = lane.get("outcomes") or {}
+            for t, lat, wait in zip(
+                out.get("times", []), out.get("latency", []), out.get("queueWait", []), strict=True
+            ):
+                entry = held.setdefault(round(base + float(t), 6), [1, None, None])
+                entry[1] = float("inf") if float(lat) < 0 else float(lat)
+                entry[2] = float(wait)
+
+
+def _get(url: str) -> Any:
+    with urllib.request.urlopen(url, timeout=5) as resp:
+        return json.loads(resp.read())
+
+
+def _epoch(text: str) -> float:
+    return datetime.fromisoformat(text.replace("Z", "+00:00")).timestamp()
+
+
+def check_window(pods: Sequence[PodRecord], lane: str, start: float, end: float) -> dict[str, Any] | None:
+    """The model's p99 against the pods' for the requests ``pods`` received in ``[start, end]``."""
+    pods = [p for p in pods if lane in p.arrivals and p.profile is not None and lane in p.settings]
+    if not pods:
+        return None
+    times: list[float] = []
+    observed_lat: list[float] = []
+    observed_wait: list[float] = []
+    for p in pods:
+        for t, (rows, lat, wait) in p.arrivals[lane].items():
+            if start <= t <= end:
+                times += [t] * rows
+                if lat is not None:
+                    observed_lat.append(lat)
+                    observed_wait.append(wait)
+    if len(times) < 2:
+        return None
+    times.sort()
+    profile = merge_profiles([p.profile for p in pods if p.profile is not None])
+    settings = lane_settings_from_spec(pods[0].settings[lane])
+    window = Window(end, [t - times[0] for t in times], Observed(tuple(observed_lat), tuple(observed_wait)), settings,
+                    replicas=len(pods))  # fmt: skip
+    got = check_lane(window, profile, 1.0)
+    if isinstance(got, str):
+        return {"requests": len(observed_lat), "skipped": got}
+    return {
+        "requests": got.requests,
+        "predictedP99": got.predicted_p99,
+        "observedP99": got.observed_p99,
+        "error": got.raw_error,
+    }
+
+
+def window_rows(collector: OutcomeCollector, ledger: Sequence[dict[str, Any]], start: float) -> list[dict[str, Any]]:
+    """One row per track of each lane-level p99 analysis in the ledger (see the module docstring)."""
+    rows: list[dict[str, Any]] = []
+    for entry in ledger:
+        if entry.get("kind") != "Analysis" or entry.get("metric") != "p99Latency" or entry.get("tenant"):
+            continue
+        end = _epoch(entry["time"])
+        found = _RANGE.search(entry.get("query") or "")
+        length = float(found.group(1)) if found else 15.0
+        lane = str(entry.get("lane") or "")
+        for track in ("canary", "stable"):
+            pods = [
+                p
+                for p in collector.pods.values()
+                if p.track == track and (track != "canary" or p.revision == entry.get("revision"))
+            ]
+            got = check_window(pods, lane, end - length, end)
+            if got is None:
+                continue
+            prom = entry.get("value") if track == "canary" else entry.get("stableValue")
+            rows.append(
+                {
+                    "t": round(end - start, 1),
+                    "revision": entry.get("revision")
+                    if track == "canary"
+                    else ",".join(sorted({p.revision for p in pods})),
+                    "track": track,
+                    "lane": lane,
+                    "window": length,
+                    "outcome": entry.get("outcome"),
+                    "prometheusP99": prom,
+                }
+                | got
+            )
+    return rows
+
+
+def window_table(rows: Sequence[dict[str, Any]]) -> str:
+    """Predicted vs observed p99 per analysis window, for the console and report/summary.txt."""
+
+    def ms(v: Any) -> str:
+        return "-" if v is None or v != v or v == float("inf") else f"{v * 1e3:.1f}ms"
+
+    lines = [
+        f"{'t':>6}  {'track':<7}{'revision':<12}{'requests':>9}{'model p99':>11}{'pods p99':>10}"
+        f"{'error':>8}{'prom p99':>10}  outcome"
+    ]
+    for r in rows:
+        err = r.get("error")
+        lines.append(
+            f"{r['t']:>6.0f}  {r['track']:<7}{str(r['revision'])[:11]:<12}{r.get('requests', 0):>9}"
+            f"{ms(r.get('predictedP99')):>11}{ms(r.get('observedP99')):>10}"
+            f"{'-' if err is None else f'{err:+.0%}':>8}{ms(r.get('prometheusP99')):>10}  "
+            f"{r.get('outcome') or ''}{' (' + r['skipped'] + ')' if r.get('skipped') else ''}"
+        )
+    errors = [abs(r["error"]) for r in rows if r.get("error") is not None]
+    if errors:
+        within = sum(1 for e in errors if e <= 0.2)
+        errors.sort()
+        lines.append(
+            f"model vs pods: {within} of {len(errors)} windows within 20%, median |error| "
+            f"{errors[len(errors) // 2]:.0%}"
+        )
+    return "\n".join(lines)

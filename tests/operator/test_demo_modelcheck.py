@@ -1,0 +1,81 @@
+"""The demo's per-analysis-window model check (pure: pod records built from the real simulator)."""
+
+from __future__ import annotations
+
+from datetime import UTC, datetime
+from typing import Any
+
+import pytest
+
+from batchpilot_operator.localdev.modelcheck import OutcomeCollector, PodRecord, window_rows, window_table
+from batchpilot_operator.tune.live import lane_settings_from_spec, merge_profiles
+from batchpilot_operator.tune.simulator import simulate
+from bp_captures import LANE_SETTINGS, poisson, profile_doc
+
+T0 = 1_800_000_000.0
+
+
+def pod(name: str, revision: str, track: str, slowdown: float, seed: int) -> PodRecord:
+    """A pod that served Poisson traffic for 60 s, its requests ``slowdown`` x the model's time."""
+    times = [T0 + t - 1000.0 for t in poisson(60.0, 60.0, seed)]
+    profile = merge_profiles([profile_doc(1.0)])
+    sim = simulate(
+        [t - times[0] for t in times],
+        lane_settings_from_spec(LANE_SETTINGS),
+        profile.exec_table(LANE_SETTINGS["maxBatchSize"]),
+        1,
+        "random",
+        0,
+        profile.request_overhead,
+        dispatch_delay=profile.dispatch_delay,
+    )
+    rec = PodRecord(name, revision, track, settings={"interactive": LANE_SETTINGS}, profile=profile_doc(1.0))
+    # Latencies in arrival order are not the simulator's completion order, but a p99 is a p99.
+    rec.arrivals["interactive"] = {
+        t: [1, lat * slowdown, wait * slowdown]
+        for t, lat, wait in zip(times, sim.latencies, sim.queue_waits, strict=True)
+    }
+    return rec
+
+
+def analysis(at: float, **extra: Any) -> dict[str, Any]:
+    when = datetime.fromtimestamp(T0 + at, UTC).strftime("%Y-%m-%dT%H:%M:%S.%fZ")
+    return {
+        "kind": "Analysis", "metric": "p99Latency", "lane": "interactive", "track": "canary", "revision": "bad",
+        "time": when, "value": 0.2, "stableValue": 0.05, "outcome": "Failed",
+        "query": 'histogram_quantile(0.99, sum by (le) (rate(x_bucket{track="canary"}[20s])))',
+    } | extra  # fmt: skip
+
+
+def test_each_analysis_window_gets_the_model_against_each_track() -> None:
+    collector = OutcomeCollector(lambda: [])
+    collector.pods = {
+        "s1": pod("s1", "good", "stable", 1.0, seed=1),
+        "c1": pod("c1", "bad", "canary", 3.0, seed=2),
+        "c0": pod("c0", "older", "canary", 1.0, seed=3),  # another revision's canary: not this analysis's
+    }
+    ledger = [
+        analysis(40.0),
+        analysis(40.0, tenant="web"),  # slices are not lane-level windows
+        analysis(40.0, metric="queueAge"),
+        {"kind": "Promoted", "time": "2027-01-01T00:00:00Z"},
+    ]
+    rows = window_rows(collector, ledger, start=T0)
+    assert [(r["track"], r["revision"]) for r in rows] == [("canary", "bad"), ("stable", "good")]
+    canary, stable = rows
+    assert canary["window"] == 20.0 and canary["t"] == 40.0 and canary["prometheusP99"] == 0.2
+    assert stable["prometheusP99"] == 0.05
+    # 20 s at 60 req/s, one pod each.
+    assert 900 < canary["requests"] < 1500
+    assert stable["error"] == pytest.approx(0.0, abs=1e-9)
+    assert canary["error"] == pytest.approx(1 / 3 - 1, abs=0.02)  # the canary took 3x the model
+    table = window_table(rows)
+    assert "model p99" in table and "1 of 2 windows within 20%" in table
+
+
+def test_a_window_with_too_few_requests_says_why() -> None:
+    collector = OutcomeCollector(lambda: [])
+    collector.pods = {"s1": pod("s1", "good", "stable", 1.0, seed=1)}
+    (row,) = window_rows(collector, [analysis(2.0, query="rate(x[1s])")], start=T0)
+    assert "fewer than" in row["skipped"] and row.get("error") is None
+    assert "fewer than" in window_table([row])
