@@ -14,7 +14,6 @@ instants are equal to the last bit.
 
 from __future__ import annotations
 
-import csv
 import random
 
 import pytest
@@ -28,7 +27,7 @@ from batchpilot_operator.tune.simulator import (
     simulate_exact,
     simulate_requests,
 )
-from batchpilot_operator.tune.trace import load_trace
+from batchpilot_operator.tune.trace import Trace, load_trace
 from batchpilot_runtime.config import LaneConfig
 from batchpilot_runtime.scheduler import Pending, QueueFull, Scheduler, State
 from bptest import REPO
@@ -45,12 +44,8 @@ def code_trace(rate: float, start: int, n: int = 1500) -> list[float]:
 
 def conversation_trace(rate: float, n: int = 1500, seed: int = 3) -> list[float]:
     """The bucketed timestamps spread uniformly over their 3 s buckets (fixed seed)."""
-    rng = random.Random(seed)
-    with (TRACES / "mooncake-2025-conversation.csv").open() as f:
-        buckets = [float(row["t_seconds"]) for row in csv.DictReader(f)][:n]
-    times = sorted(t + rng.uniform(0.0, 3.0) for t in buckets)
-    mean_rate = (len(times) - 1) / (times[-1] - times[0])
-    return [(t - times[0]) * mean_rate / rate for t in times]
+    trace = Trace.from_times(load_trace(TRACES / "mooncake-2025-conversation.csv").arrivals[:n]).spread(3.0, seed)
+    return [t * trace.mean_rate / rate for t in trace.arrivals]
 
 
 def poisson(rate: float, n: int = 1500, seed: int = 5) -> list[float]:

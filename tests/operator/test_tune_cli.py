@@ -190,6 +190,22 @@ def test_tune_applies_and_prints_the_measured_error(
     assert "policy 'other'" in capsys.readouterr().err
 
 
+def test_a_bucketed_trace_is_spread_over_its_buckets(
+    inputs: dict[str, Path], tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    # 3 s buckets of 30 requests each: as one burst per bucket, or spread uniformly over it.
+    bucketed = tmp_path / "buckets.csv"
+    bucketed.write_text("t_seconds\n" + "".join(f"{3.0 * (k // 30)}\n" for k in range(900)))
+    base = ["tune", "--trace", str(bucketed), "--profile", str(inputs["profile"]), "--p99", "40ms",
+            "--queue-age", "10ms", "-o", "json"]  # fmt: skip
+    assert main(base) == 0
+    burst = json.loads(capsys.readouterr().out)
+    assert main([*base, "--spread-buckets", "3s"]) == 0
+    spread = json.loads(capsys.readouterr().out)
+    assert burst["trace"]["gap_cv"] > 5 and spread["trace"]["gap_cv"] < 1.5
+    assert spread["trace"]["requests"] == burst["trace"]["requests"] == 900
+
+
 def test_tune_explains_an_impossible_slo(inputs: dict[str, Path], capsys: pytest.CaptureFixture[str]) -> None:
     code = main([
         "tune", "--trace", str(inputs["trace"]), "--profile", str(inputs["profile"]),

@@ -43,6 +43,11 @@ def register(subparsers: Any) -> None:
     )
     p.add_argument("--trace", required=True, help="arrival trace: Azure CSV or one timestamp (s) per line")
     p.add_argument("--profile", required=True, help="latency profile from `batchpilot profile`")
+    p.add_argument(
+        "--spread-buckets",
+        help="the trace's timestamps are rounded to buckets of this length (e.g. 3s): spread each bucket's "
+        "requests uniformly over it (seeded by --seed) instead of replaying them as one burst",
+    )
     p.add_argument("--policy", help="a BatchingPolicy YAML: SLOs, lane and replicas from it; patch against it")
     p.add_argument("--lane", help=f"lane name (default: the policy's default lane, else {DEFAULT_LANE!r})")
     p.add_argument("--p99", help="lane p99 latency SLO, e.g. 50ms (overrides the policy)")
@@ -178,6 +183,8 @@ def _run(args: argparse.Namespace) -> int:
     calibration = _calibration(args.calibration, doc, policy_name, lane)
     correction = calibration.correction if calibration is not None else 1.0
     trace = load_trace(args.trace)
+    if args.spread_buckets:
+        trace = trace.spread(parse_duration(args.spread_buckets), args.seed)
     profile = load_profile(args.profile)
     notes: list[str] = []
     if spec is not None and spec.model.source != profile.model.source:
