@@ -312,3 +312,20 @@ def model_ceiling(
         dt_s = (time.perf_counter() - t0) / n
         out[str(bs)] = {"ms_per_batch": round(dt_s * 1000, 3), "rows_per_s": round(bs / dt_s, 1)}
     return out
+
+
+def pin_for_bench(mode: str) -> bool:
+    """``--pin auto|on|off``: whether the runtime gets the cores after the first and this process
+    (and the load generators it starts) core 0. ``auto`` pins on 4 cores or more: on 2, pinning
+    the server and its model process to one core would make them contend."""
+    pin = mode == "on" or (mode == "auto" and (os.cpu_count() or 1) >= 4)
+    if pin:
+        os.sched_setaffinity(0, {0})
+    return pin
+
+
+def pin_process_tree(pid: int, cores: list[int]) -> None:
+    """The process ``pid`` and its children (the runtime's model process), every thread, on ``cores``."""
+    kids = subprocess.run(["pgrep", "-P", str(pid)], capture_output=True, text=True, check=False).stdout.split()
+    for p in [str(pid), *kids]:
+        subprocess.run(["taskset", "-a", "-p", "-c", ",".join(map(str, cores)), p], capture_output=True, check=False)

@@ -122,7 +122,7 @@ def run_once(
     rt = tv.Runtime(tmp, args.source, args.threads, settings)
     try:
         if args.pin_cores:
-            _pin(rt.proc.pid, args.pin_cores[1:])
+            benchlib.pin_process_tree(rt.proc.pid, args.pin_cores[1:])
         tv.replay(rt, [k * 0.02 for k in range(50)], body)  # warm up
         started = time.time()
         res = tv.replay(rt, offsets, body)
@@ -137,15 +137,6 @@ def run_once(
         "server": check,
         "loadavg_1m": round(os.getloadavg()[0], 2),
     }
-
-
-def _pin(pid: int, cores: list[int]) -> None:
-    """The runtime and its children (the model process) on ``cores``."""
-    import subprocess
-
-    kids = subprocess.run(["pgrep", "-P", str(pid)], capture_output=True, text=True, check=False).stdout.split()
-    for p in [str(pid), *kids]:  # -a: every thread of each
-        subprocess.run(["taskset", "-a", "-p", "-c", ",".join(map(str, cores)), p], capture_output=True, check=False)
 
 
 def summarize(rows: list[dict[str, Any]]) -> dict[str, Any]:
@@ -190,10 +181,8 @@ def main() -> int:
     ap.add_argument("--out")
     args = ap.parse_args()
     cores = os.cpu_count() or 1
-    pin = args.pin == "on" or (args.pin == "auto" and cores >= 4)
+    pin = benchlib.pin_for_bench(args.pin)
     args.pin_cores = list(range(cores)) if pin else []
-    if pin:
-        os.sched_setaffinity(0, {0})  # this process and the load generators it starts on core 0
 
     log("profiling the model in-process (runtime loader)")
     profile = tv.measure_profile(args.source, args.threads, [1, 2, 4, 8, 16, 32, 64], 20)
