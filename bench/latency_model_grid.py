@@ -1,9 +1,10 @@
 """The latency model against the runtime over a grid: traces x loads x settings, with repeats.
 
-For each arrival trace (the bursty code trace; the conversation trace with its 3 s buckets
-spread uniformly at random, seed 0, as its README asks), each batching setting and each load
-(a fraction of the setting's throughput ceiling ``B / E(B)`` from the profile: a prediction,
-said as such), a fresh runtime serves the trace slice open-loop ``--repeats`` times. Per run:
+For each batching setting, its capacity is measured first: a fresh runtime under a closed loop
+(``2 B`` clients, a few seconds), beside the model's own ceiling ``B / E(B)`` from the profile.
+Then for each arrival trace (the bursty code trace; the conversation trace with its 3 s buckets
+spread uniformly at random, seed 0, as its README asks) and each load (a fraction of that
+measured capacity), a fresh runtime serves the trace slice open-loop ``--repeats`` times. Per run:
 
 * **client**: p99 from the load generator (latency from the scheduled send time, so a late send
   counts against the server; the send lateness p99 is recorded);
@@ -96,27 +97,36 @@ def spearman(xs: list[float], ys: list[float]) -> float | None:
     return round(cov / den, 3) if den > 0 else None
 
 
-def server_check(rt: tv.Runtime, since: float, profile: LatencyProfile, settings: LaneSettings) -> dict[str, Any]:
-    """The model's p99 for the arrivals the server recorded vs the server's own p99 for them."""
+def server_check(
+    rt: tv.Runtime, since: float, profiles: dict[str, LatencyProfile], settings: LaneSettings
+) -> dict[str, Any]:
+    """The model's p99 for the arrivals the server recorded vs the server's own p99 for them, with
+    each offline profile and with the runtime's own ``/admin/profile`` (``live``: what the
+    operator's calibration uses)."""
     doc = tv.fetch_json(f"{rt.url}/admin/arrivals?since={since:.1f}s")
+    live = LatencyProfile.model_validate(tv.fetch_json(f"{rt.url}/admin/profile"))
     traffic = merge_traffic([parse_capture(doc, "bench")], "interactive")
     if traffic.outcomes is None:
         return {"skipped": "no outcomes"}
     arrivals = [t - traffic.start for t in traffic.times]
     observed = Observed(tuple(o[1] for o in traffic.outcomes), tuple(o[2] for o in traffic.outcomes))
-    got = check_lane(Window(traffic.end, arrivals, observed, settings, 1), profile, 1.0)
-    if isinstance(got, str):
-        return {"skipped": got}
-    return {
-        "requests": got.requests,
-        "predicted_p99_ms": tv._ms(got.predicted_p99),
-        "observed_p99_ms": tv._ms(got.observed_p99),
-        "error": round(got.raw_error, 3),
-    }
+    out: dict[str, Any] = {}
+    for name, profile in {**profiles, "live": live}.items():
+        got = check_lane(Window(traffic.end, arrivals, observed, settings, 1), profile, 1.0)
+        if isinstance(got, str):
+            return {"skipped": got}
+        out["requests"] = got.requests
+        out["observed_p99_ms"] = tv._ms(got.observed_p99)
+        out[name] = {"predicted_p99_ms": tv._ms(got.predicted_p99), "error": round(got.raw_error, 3)}
+    return out
 
 
 def run_once(
-    tmp: Path, args: argparse.Namespace, settings: LaneSettings, offsets: list[float], profile: LatencyProfile
+    tmp: Path,
+    args: argparse.Namespace,
+    settings: LaneSettings,
+    offsets: list[float],
+    profiles: dict[str, LatencyProfile],
 ) -> dict[str, Any]:
     body = benchlib.mlp_body(1)
     rt = tv.Runtime(tmp, args.source, args.threads, settings)
@@ -126,7 +136,7 @@ def run_once(
         tv.replay(rt, [k * 0.02 for k in range(50)], body)  # warm up
         started = time.time()
         res = tv.replay(rt, offsets, body)
-        check = server_check(rt, time.time() - started, profile, settings)
+        check = server_check(rt, time.time() - started, profiles, settings)
     finally:
         rt.stop()
     return {
@@ -140,24 +150,34 @@ def run_once(
 
 
 def summarize(rows: list[dict[str, Any]]) -> dict[str, Any]:
-    def block(sel: list[dict[str, Any]]) -> dict[str, Any]:
-        ok = [r for r in sel if r["measured_p99_ms"]["median"] and r["predicted_p99_ms"]]
-        within = [r for r in ok if abs(r["error"]) <= 0.2]
-        server = [r for r in sel if r.get("server_error_median") is not None]
+    """Per trace and overall: client-side (the tuner's prediction on the scheduled arrivals, per
+    offline profile, against the median of the repeats) and server-side (the model on the arrivals
+    the server saw, per profile including the pod's live one, against the server's own p99)."""
+
+    def stats(pairs: list[tuple[float, float]], errors: list[float]) -> dict[str, Any]:
+        within = sum(1 for e in errors if abs(e) <= 0.2)
         return {
-            "rows": len(sel),
-            "rows_compared": len(ok),
-            "within_20pct": len(within),
-            "within_20pct_share": round(len(within) / len(ok), 3) if ok else None,
-            "spearman": spearman([r["predicted_p99_ms"] for r in ok], [r["measured_p99_ms"]["median"] for r in ok]),
-            "median_abs_error": round(statistics.median(abs(r["error"]) for r in ok), 3) if ok else None,
-            "median_noise_floor": round(statistics.median(r["noise_floor"] for r in ok), 3) if ok else None,
-            "server_within_20pct_share": round(
-                sum(1 for r in server if abs(r["server_error_median"]) <= 0.2) / len(server), 3
-            )
-            if server
-            else None,
+            "rows": len(errors),
+            "within_20pct": within,
+            "within_20pct_share": round(within / len(errors), 3) if errors else None,
+            "median_abs_error": round(statistics.median(abs(e) for e in errors), 3) if errors else None,
+            "spearman": spearman([p for p, _ in pairs], [m for _, m in pairs]) if pairs else None,
         }
+
+    def block(sel: list[dict[str, Any]]) -> dict[str, Any]:
+        out: dict[str, Any] = {"rows": len(sel)}
+        floors = [r["noise_floor"] for r in sel if r["noise_floor"] is not None]
+        out["median_noise_floor"] = round(statistics.median(floors), 3) if floors else None
+        for name in sel[0]["predicted_p99_ms_by_profile"] if sel else ():
+            ok = [r for r in sel if r["error_by_profile"].get(name) is not None]
+            out[f"client_{name}"] = stats(
+                [(r["predicted_p99_ms_by_profile"][name], r["measured_p99_ms"]["median"]) for r in ok],
+                [r["error_by_profile"][name] for r in ok],
+            )
+        for name in sel[0]["server_error_median"] if sel else ():
+            errs = [r["server_error_median"][name] for r in sel if r["server_error_median"].get(name) is not None]
+            out[f"server_{name}"] = stats([], errs)
+        return out
 
     out = {"all": block(rows)}
     for name in sorted({r["trace"] for r in rows}):
@@ -171,11 +191,12 @@ def main() -> int:
     ap.add_argument("--code-start", type=int, default=2000, help="first arrival of the code trace's slice")
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--settings", default="1:1ms,4:2ms,8:2ms,16:5ms,32:10ms,64:20ms", help="B:W,...")
-    ap.add_argument("--loads", default="0.3,0.6,0.85", help="fractions of each setting's throughput ceiling")
+    ap.add_argument("--loads", default="0.3,0.6,0.85", help="fractions of each setting's measured capacity")
+    ap.add_argument("--capacity-seconds", type=float, default=6.0, help="closed-loop seconds per setting")
     ap.add_argument("--traces", default="code,conversation")
     ap.add_argument("--source", default="builtin:mlp")
     ap.add_argument("--threads", type=int, default=1)
-    ap.add_argument("--max-rate", type=float, default=400.0, help="cap on the offered rate (the load generator's)")
+    ap.add_argument("--max-rate", type=float, default=1000.0, help="cap on the offered rate")
     ap.add_argument("--calib-rate", type=float, default=20.0)
     ap.add_argument("--pin", choices=["auto", "on", "off"], default="auto")
     ap.add_argument("--out")
@@ -184,8 +205,12 @@ def main() -> int:
     pin = benchlib.pin_for_bench(args.pin)
     args.pin_cores = list(range(cores)) if pin else []
 
-    log("profiling the model in-process (runtime loader)")
-    profile = tv.measure_profile(args.source, args.threads, [1, 2, 4, 8, 16, 32, 64], 20)
+    log("profiling the model in-process (runtime loader): with idle gaps (batchpilot profile's default), and hot")
+    sizes = [1, 2, 4, 8, 16, 32, 64]
+    offline = {
+        "gap": tv.measure_profile(args.source, args.threads, sizes, 40, gap=0.01),
+        "hot": tv.measure_profile(args.source, args.threads, sizes, 40, gap=0.0),
+    }
     body = benchlib.mlp_body(1)
     settings_list = []
     for spec in args.settings.split(","):
@@ -206,25 +231,61 @@ def main() -> int:
             calib = tv.replay(rt, calib_offsets, body)
         finally:
             rt.stop()
-        sim0 = simulate(calib_offsets, calib_settings, profile.exec_table(1, "p50"))
-        overhead = max(0.0, float(calib["latency_ms"]["p50"]) / 1e3 - sorted(sim0.latencies)[len(sim0.latencies) // 2])
-        profile = profile.model_copy(update={"request_overhead": overhead, "quantile": "p90"})
-        log(f"request overhead {overhead * 1e3:.3f} ms")
+        profiles: dict[str, LatencyProfile] = {}
+        overheads: dict[str, float] = {}
+        for name, prof in offline.items():
+            sim0 = simulate(calib_offsets, calib_settings, prof.exec_table(1, "p50"))
+            median0 = sorted(sim0.latencies)[len(sim0.latencies) // 2]
+            overheads[name] = max(0.0, float(calib["latency_ms"]["p50"]) / 1e3 - median0)
+            profiles[name] = prof.model_copy(update={"request_overhead": overheads[name], "quantile": "p90"})
+        profile = profiles["gap"]
+        log(f"request overhead {overheads}")
+        capacity: dict[LaneSettings, dict[str, float]] = {}
+        for settings in settings_list:
+            table = profile.exec_table(settings.max_batch_size)
+            rt = tv.Runtime(tmp, args.source, args.threads, settings)
+            try:
+                if args.pin_cores:
+                    benchlib.pin_process_tree(rt.proc.pid, args.pin_cores[1:])
+                tv.replay(rt, [k * 0.02 for k in range(50)], body)
+                closed = benchlib.closed_loop(
+                    rt.infer_url, body, max(4, 2 * settings.max_batch_size), args.capacity_seconds
+                )
+            finally:
+                rt.stop()
+            capacity[settings] = {
+                "measured_rps": round(float(closed["ok_per_s"]), 1),
+                "model_ceiling_rps": round(settings.max_batch_size / table[settings.max_batch_size], 1),
+            }
+            log(f"B={settings.max_batch_size} W={format_duration(settings.max_queue_delay)}: {capacity[settings]}")
         for trace_name in args.traces.split(","):
             trace = all_traces[trace_name]
             for settings in settings_list:
                 table = profile.exec_table(settings.max_batch_size)
-                ceiling = settings.max_batch_size / table[settings.max_batch_size - 1]
+                measured_capacity = capacity[settings]["measured_rps"]
                 for load in loads:
-                    rate = min(load * ceiling, args.max_rate)
+                    rate = min(load * measured_capacity, args.max_rate)
                     arrivals = trace.scaled_arrivals(rate)
-                    sim = simulate(arrivals, settings, table, request_overhead=profile.request_overhead)
+                    predicted_by = {
+                        name: tv._ms(
+                            simulate(
+                                arrivals,
+                                settings,
+                                prof.exec_table(settings.max_batch_size),
+                                request_overhead=prof.request_overhead,
+                            ).latency_quantile(0.99)
+                        )
+                        for name, prof in profiles.items()
+                    }
                     offsets = [round(t, 6) for t in arrivals]
-                    runs = [run_once(tmp, args, settings, offsets, profile) for _ in range(args.repeats)]
+                    runs = [run_once(tmp, args, settings, offsets, profiles) for _ in range(args.repeats)]
                     p99s = [r["client_p99_ms"] for r in runs if r["client_p99_ms"]]
                     med = statistics.median(p99s) if p99s else None
-                    predicted = tv._ms(sim.latency_quantile(0.99))
-                    server_errors = [r["server"]["error"] for r in runs if "error" in r["server"]]
+                    predicted = predicted_by["gap"]
+                    server_errors = {
+                        name: [r["server"][name]["error"] for r in runs if name in r["server"]]
+                        for name in (*profiles, "live")
+                    }
                     row = {
                         "trace": trace_name,
                         "setting": {
@@ -232,10 +293,14 @@ def main() -> int:
                             "maxQueueDelay": format_duration(settings.max_queue_delay),
                         },
                         "load": load,
-                        "ceiling_rps": round(ceiling, 1),
+                        "capacity": capacity[settings],
                         "rate_rps": round(rate, 2),
                         "requests": trace.count,
                         "predicted_p99_ms": predicted,
+                        "predicted_p99_ms_by_profile": predicted_by,
+                        "error_by_profile": {
+                            name: round(v / med - 1, 3) if v and med else None for name, v in predicted_by.items()
+                        },
                         "measured_p99_ms": {
                             "median": med,
                             "min": min(p99s) if p99s else None,
@@ -244,20 +309,24 @@ def main() -> int:
                         },
                         "noise_floor": round((max(p99s) - min(p99s)) / med, 3) if p99s and med else None,
                         "error": round(predicted / med - 1, 3) if predicted and med else None,
-                        "server_error_median": round(statistics.median(server_errors), 3) if server_errors else None,
+                        "server_error_median": {
+                            name: round(statistics.median(v), 3) if v else None for name, v in server_errors.items()
+                        },
                         "runs": runs,
                     }
                     rows.append(row)
                     log(
                         f"{trace_name} B={settings.max_batch_size} W={format_duration(settings.max_queue_delay)} "
                         f"{load:.0%} ({rate:.1f} req/s): predicted {predicted} ms, measured {p99s} ms "
-                        f"(noise floor {row['noise_floor']}), error {row['error']}, server error {server_errors}"
+                        f"(noise floor {row['noise_floor']}), error {row['error_by_profile']}, "
+                        f"server error {row['server_error_median']}"
                     )
     out = {
         "command": " ".join(sys.argv),
         "machine": {"cores": cores, "pinned": pin, "loadavg_1m_end": round(os.getloadavg()[0], 2)},
         "profile": profile.model_dump(mode="json", by_alias=True, exclude_none=True),
-        "request_overhead_ms": round(overhead * 1e3, 3),
+        "request_overhead_ms": {k: round(v * 1e3, 3) for k, v in overheads.items()},
+        "profiles": {k: v.model_dump(mode="json", by_alias=True, exclude_none=True) for k, v in profiles.items()},
         "elapsed_s": round(time.time() - started, 1),
         "summary": summarize(rows),
         "rows": rows,

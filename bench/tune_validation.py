@@ -188,12 +188,12 @@ def replay(rt: Runtime, offsets: list[float], body: str) -> dict[str, Any]:
     return benchlib.run_loadgen({"url": rt.infer_url, "body": body, "mode": "open", "offsets": offsets, "timeout": 30})
 
 
-def measure_profile(source: str, threads: int, sizes: list[int], iterations: int) -> LatencyProfile:
+def measure_profile(source: str, threads: int, sizes: list[int], iterations: int, gap: float = 0.01) -> LatencyProfile:
     from batchpilot_operator.commands.profile import measure
     from batchpilot_runtime.config import ModelConfig
 
     cfg = ModelConfig(name="mlp", source=source, device="cpu", threads=threads)
-    points, device, used_threads = measure(cfg, sizes, iterations, 3, 120.0, gap=0.01)
+    points, device, used_threads = measure(cfg, sizes, iterations, 3, 120.0, gap=gap)
     return LatencyProfile(
         model=ProfiledModel(name="mlp", source=source, device=device, threads=used_threads),
         points=points,
