@@ -4,8 +4,9 @@
 
 * memory: bytes of the rings of a runtime with the default bounds (measured with
   tracemalloc around building a ``Capture``, and as the rings' own buffer sizes);
-* per request: ns per ``Capture.record`` call (what the event loop does per admitted
-  request), timed over 10^6 calls, next to ns per a bare loop iteration;
+* per request: ns per ``Capture.record`` call (at admission) plus per ``Capture.record_outcome``
+  call (at the answer): what the event loop does per admitted request, timed over 10^6 calls
+  each, next to ns per a bare loop iteration;
 * saturation A/B: the same runtime (``builtin:tiny-mlp``, the cheapest model, so per-request
   overhead weighs most; max batch 16, 1 torch thread) with capture off
   (``BATCHPILOT_ARRIVAL_CAPACITY=0``) and on (default bounds), closed loop at 64 outstanding
@@ -64,6 +65,11 @@ def memory_and_cost() -> dict[str, Any]:
     for k in range(n):
         record(0, float(k), 1)
     per_call = (time.perf_counter() - t0) / n
+    outcome = cap.record_outcome
+    t0 = time.perf_counter()
+    for k in range(n):
+        outcome(0, float(k), 0.01, 0.002)
+    per_outcome = (time.perf_counter() - t0) / n
     t0 = time.perf_counter()
     for _k in range(n):
         pass
@@ -73,7 +79,10 @@ def memory_and_cost() -> dict[str, Any]:
         "ring_max_age_s": DEFAULT_MAX_AGE,
         "ring_bytes_per_lane": cap.nbytes,
         "tracemalloc_bytes_for_capture_of_1_lane": traced,
-        "record_ns_per_request": round((per_call - per_iter) * 1e9, 1),
+        # Per admitted request: its arrival (at admission) and its outcome (at the answer).
+        "record_ns_per_request": round((per_call + per_outcome - 2 * per_iter) * 1e9, 1),
+        "record_arrival_ns": round((per_call - per_iter) * 1e9, 1),
+        "record_outcome_ns": round((per_outcome - per_iter) * 1e9, 1),
         "bare_loop_ns_per_iteration": round(per_iter * 1e9, 1),
     }
 
