@@ -147,8 +147,8 @@ def main() -> int:
     rounds: list[dict[str, Any]] = []
     with tempfile.TemporaryDirectory(prefix="bp-capture-") as d:
         for _ in range(args.rounds):
-            for on in (False, True):
-                r = run_round(on, args.duration, args.concurrency, Path(d), body)
+            for capture_on in (False, True):
+                r = run_round(capture_on, args.duration, args.concurrency, Path(d), body)
                 print(json.dumps(r), file=sys.stderr, flush=True)
                 rounds.append(r)
     off = [r["rows_per_s"] for r in rounds if r["capture"] == "off"]
