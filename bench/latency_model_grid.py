@@ -177,6 +177,15 @@ def summarize(rows: list[dict[str, Any]]) -> dict[str, Any]:
         for name in sel[0]["server_error_median"] if sel else ():
             errs = [r["server_error_median"][name] for r in sel if r["server_error_median"].get(name) is not None]
             out[f"server_{name}"] = stats([], errs)
+            # The operator's calibration: each row's prediction times the median observed/model
+            # ratio of the *other* rows (leave one out), as a correction learned elsewhere.
+            ratios = [1 / (1 + e) for e in errs]
+            corrected = [
+                (1 + e) * statistics.median(ratios[:i] + ratios[i + 1 :]) - 1
+                for i, e in enumerate(errs)
+                if len(errs) > 1
+            ]
+            out[f"server_{name}_corrected_leave_one_out"] = stats([], corrected)
         return out
 
     out = {"all": block(rows)}
@@ -200,7 +209,14 @@ def main() -> int:
     ap.add_argument("--calib-rate", type=float, default=20.0)
     ap.add_argument("--pin", choices=["auto", "on", "off"], default="auto")
     ap.add_argument("--out")
+    ap.add_argument("--summarize", help="recompute the summary of a results file (no runs)")
     args = ap.parse_args()
+    if args.summarize:
+        done = json.loads(Path(args.summarize).read_text())
+        done["summary"] = summarize(done["rows"])
+        Path(args.summarize).write_text(json.dumps(done, indent=2))
+        print(json.dumps(done["summary"], indent=2))
+        return 0
     cores = os.cpu_count() or 1
     pin = benchlib.pin_for_bench(args.pin)
     args.pin_cores = list(range(cores)) if pin else []
