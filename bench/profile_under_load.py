@@ -7,12 +7,14 @@ load drifted from the isolated one (the model sharing cores with the HTTP loop),
 prediction made from either would be off. This measures how far, on this machine:
 
 1. an isolated profile, twice (``batchpilot profile``'s measurement in this process, nothing
-   else running): the second run against the first is the noise floor;
+   else running, 10 ms idle before each pass as its default ``--gap``): the second run against
+   the first is the noise floor; and once hot (``--gap 0``: passes back to back, as a busy pod
+   runs them);
 2. for each ``--batch`` B: a runtime with ``maxBatchSize`` B serves a closed loop for a few
    seconds (its saturation throughput), then Poisson arrivals at ``--load`` (85%) of it for
    ``--seconds``; then its ``/admin/profile``;
 3. per batch size the runtime measured from live batches (at least ``--min-samples``) and the
-   isolated profile also has: the ratio of p50 and of p99, live / isolated.
+   isolated profile also has: the ratio of p50 and of p99, live / isolated, against each.
 
 Target (issue 21, part 3): within 15% (ratios in 0.85..1.15) for p50 and p99.
 
@@ -87,6 +89,7 @@ def main() -> int:
 
     log("isolated profile, twice")
     iso = [tv.measure_profile(args.source, args.threads, SIZES, args.iterations) for _ in range(2)]
+    hot = tv.measure_profile(args.source, args.threads, SIZES, args.iterations, gap=0.0)
     ref = points(iso[0])
     floor = compare(points(iso[1]), ref, 0)
     body = benchlib.mlp_body(1)
@@ -113,6 +116,7 @@ def main() -> int:
             finally:
                 benchlib.stop_process(proc)
             rows = compare(points(live), ref, args.min_samples)
+            hot_rows = compare(points(live), points(hot), args.min_samples)
             runs.append(
                 {
                     "max_batch_size": b,
@@ -123,10 +127,12 @@ def main() -> int:
                     "loadavg_1m": round(os.getloadavg()[0], 2),
                     "points": rows,
                     "summary": within(rows),
+                    "against_hot": {"points": hot_rows, "summary": within(hot_rows)},
                 }
             )
             log(json.dumps(runs[-1]["summary"]) + " " + json.dumps(rows))
     all_rows = [r for run in runs for r in run["points"]]
+    all_hot = [r for run in runs for r in run["against_hot"]["points"]]
     noise = within(floor)
     out: dict[str, Any] = {
         "command": " ".join(sys.argv),
@@ -134,9 +140,16 @@ def main() -> int:
         "isolated": [p.model_dump(mode="json", by_alias=True, exclude_none=True) for p in iso],
         "noise_floor": {"points": floor, "summary": noise},
         "runs": runs,
+        "isolated_hot": hot.model_dump(mode="json", by_alias=True, exclude_none=True),
         "summary": within(all_rows),
+        "summary_against_hot": within(all_hot),
     }
-    print(json.dumps({"noise_floor": noise, "under_load": out["summary"]}, indent=2))
+    print(
+        json.dumps(
+            {"noise_floor": noise, "under_load": out["summary"], "under_load_vs_hot": out["summary_against_hot"]},
+            indent=2,
+        )
+    )
     if args.out:
         Path(args.out).write_text(json.dumps(out, indent=2))
     return 0
