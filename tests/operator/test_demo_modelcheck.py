@@ -53,7 +53,12 @@ def test_each_analysis_window_gets_the_model_against_each_track() -> None:
         "s1": pod("s1", "good", "stable", 1.0, seed=1),
         "c1": pod("c1", "bad", "canary", 3.0, seed=2),
         "c0": pod("c0", "older", "canary", 1.0, seed=3),  # another revision's canary: not this analysis's
+        # A stable pod replaced before the window (a slower profile): it lends nothing to it.
+        "s0": pod("s0", "first", "stable", 1.0, seed=4),
     }
+    s0 = collector.pods["s0"]
+    s0.arrivals["interactive"] = {t - 1000.0: v for t, v in s0.arrivals["interactive"].items()}
+    s0.profile = profile_doc(5.0)
     ledger = [
         analysis(40.0),
         analysis(40.0, tenant="web"),  # slices are not lane-level windows

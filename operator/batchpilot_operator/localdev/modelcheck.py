@@ -105,7 +105,16 @@ def _epoch(text: str) -> float:
 
 def check_window(pods: Sequence[PodRecord], lane: str, start: float, end: float) -> dict[str, Any] | None:
     """The model's p99 against the pods' for the requests ``pods`` received in ``[start, end]``."""
-    pods = [p for p in pods if lane in p.arrivals and p.profile is not None and lane in p.settings]
+    # Only the pods that served the window: a replaced pod (another revision of the same track)
+    # must lend neither its profile nor its setting, nor count as a replica.
+    pods = [
+        p
+        for p in pods
+        if lane in p.arrivals
+        and p.profile is not None
+        and lane in p.settings
+        and any(start <= t <= end for t in p.arrivals[lane])
+    ]
     if not pods:
         return None
     times: list[float] = []
@@ -126,9 +135,10 @@ def check_window(pods: Sequence[PodRecord], lane: str, start: float, end: float)
     window = Window(end, [t - times[0] for t in times], Observed(tuple(observed_lat), tuple(observed_wait)), settings,
                     replicas=len(pods))  # fmt: skip
     got = check_lane(window, profile, 1.0)
+    served = {"revisions": sorted({p.revision for p in pods}), "pods": len(pods)}
     if isinstance(got, str):
-        return {"requests": len(observed_lat), "skipped": got}
-    return {
+        return served | {"requests": len(observed_lat), "skipped": got}
+    return served | {
         "requests": got.requests,
         "predictedP99": got.predicted_p99,
         "observedP99": got.observed_p99,
@@ -159,9 +169,7 @@ def window_rows(collector: OutcomeCollector, ledger: Sequence[dict[str, Any]], s
             rows.append(
                 {
                     "t": round(end - start, 1),
-                    "revision": entry.get("revision")
-                    if track == "canary"
-                    else ",".join(sorted({p.revision for p in pods})),
+                    "revision": ",".join(got.pop("revisions")),
                     "track": track,
                     "lane": lane,
                     "window": length,
