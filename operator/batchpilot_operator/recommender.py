@@ -108,7 +108,7 @@ def refresh(
 def _recommend(
     spec: PolicySpec, namespace: str, name: str, now: datetime, gather: Gather, prior: dict[str, dict[str, Any]]
 ) -> Recommendation:
-    from batchpilot_operator.tune.calibration import LaneCalibration
+    from batchpilot_operator.tune.calibration import calibrations_from_status
     from batchpilot_operator.tune.live import recommend_policy
 
     assert spec.tuning is not None
@@ -131,7 +131,7 @@ def _recommend(
             growth=tuning.growth,
             margin=tuning.margin,
             pod_errors=got.errors,
-            calibration={lane: LaneCalibration.from_dict(d) for lane, d in prior.items()},
+            calibration=calibrations_from_status({"calibration": prior}),
         )
     except Exception as exc:  # the recommendation is advisory: never fail the reconcile for it
         log.warning("recommendation for %s/%s failed: %s", namespace, name, exc)

@@ -99,30 +99,26 @@ class ArrivalRing:
         self, now: float, since: float | None = None
     ) -> tuple[np.ndarray[Any, Any], np.ndarray[Any, Any]]:
         """:meth:`snapshot` as numpy arrays (float64 times, int32 rows)."""
-        n = min(self.total, self.capacity)
-        start = self.total - n
-        horizon = now - self.max_age
-        if since is not None:
-            horizon = max(horizon, now - since)
-        times, rows = self.arrays(start)
-        keep = times >= horizon
+        times, rows = _held(self.total, self.capacity, self.times, self.rows)
+        keep = times >= _horizon(now, self.max_age, since)
         return times[keep], rows[keep]
 
-    def arrays(self, start: int) -> tuple[np.ndarray[Any, Any], np.ndarray[Any, Any]]:
-        """The slots from arrival ``start`` to the newest, oldest first (vectorised: a snapshot
-        of a full ring takes a few ms on the event loop, not a Python loop over 65,536 slots)."""
-        cap = self.capacity
-        n = self.total - start
-        times = np.frombuffer(self.times, dtype=np.float64)
-        rows = np.frombuffer(self.rows, dtype=np.int32)
-        first = start % cap
-        if n <= 0:
-            return times[:0].copy(), rows[:0].copy()
-        if first + n <= cap:
-            return times[first : first + n].copy(), rows[first : first + n].copy()
-        return np.concatenate((times[first:], times[: first + n - cap])), np.concatenate(
-            (rows[first:], rows[: first + n - cap])
-        )
+
+def _horizon(now: float, max_age: float, since: float | None) -> float:
+    """The oldest time a snapshot serves: ``max_age`` ago, or ``since`` ago if that is later."""
+    return now - max_age if since is None else max(now - max_age, now - since)
+
+
+def _held(total: int, capacity: int, *buffers: array[Any]) -> list[np.ndarray[Any, Any]]:
+    """The held slots of a ring's parallel ``buffers``, oldest first, as numpy copies
+    (vectorised: a snapshot of a full ring takes a few ms on the event loop, not a Python loop
+    over 65,536 slots)."""
+    n = min(total, capacity)
+    first = (total - n) % capacity
+    views = [np.frombuffer(b, dtype=np.dtype(b.typecode)) for b in buffers]
+    if first + n <= capacity:
+        return [v[first : first + n].copy() for v in views]
+    return [np.concatenate((v[first:], v[: first + n - capacity])) for v in views]
 
 
 class OutcomeRing:
@@ -156,14 +152,8 @@ class OutcomeRing:
     ) -> tuple[np.ndarray[Any, Any], np.ndarray[Any, Any], np.ndarray[Any, Any]]:
         """Held outcomes whose request arrived no earlier than ``max_age`` (and ``since``) ago,
         in arrival order."""
-        n = min(self.total, self.capacity)
-        first = (self.total - n) % self.capacity
-        idx = (np.arange(n, dtype=np.int64) + first) % self.capacity
-        arrivals = np.frombuffer(self.arrivals, dtype=np.float64)[idx]
-        latencies = np.frombuffer(self.latencies, dtype=np.float32)[idx]
-        waits = np.frombuffer(self.waits, dtype=np.float32)[idx]
-        horizon = now - self.max_age if since is None else max(now - self.max_age, now - since)
-        keep = arrivals >= horizon
+        arrivals, latencies, waits = _held(self.total, self.capacity, self.arrivals, self.latencies, self.waits)
+        keep = arrivals >= _horizon(now, self.max_age, since)
         arrivals, latencies, waits = arrivals[keep], latencies[keep], waits[keep]
         by_arrival = np.argsort(arrivals, kind="stable")
         return arrivals[by_arrival], latencies[by_arrival], waits[by_arrival]

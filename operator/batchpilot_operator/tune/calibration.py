@@ -273,9 +273,7 @@ def load_calibration(doc: Mapping[str, Any], policy: str | None = None) -> dict[
         if policy and name and name != policy:
             raise ValueError(f"the calibration is policy {name!r}'s, not {policy!r}'s")
         doc = (doc.get("status") or {}).get("recommendation") or {}
-    if "calibration" in doc and isinstance(doc["calibration"], Mapping):
-        doc = doc["calibration"]
-    out = {str(k): LaneCalibration.from_dict(v) for k, v in doc.items() if isinstance(v, Mapping)}
+    out = calibrations_from_status(doc if isinstance(doc.get("calibration"), Mapping) else {"calibration": doc})
     if not out:
         raise ValueError("no calibration found (expected status.recommendation.calibration of a BatchingPolicy)")
     return out

@@ -39,7 +39,6 @@ error next to its predictions.
 
 from __future__ import annotations
 
-import json
 import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
@@ -584,8 +583,10 @@ def calibrate(traffic: MergedTraffic, profile: LatencyProfile, prior: LaneCalibr
         return prior.skip("a pod sent no request outcomes (a runtime older than the calibration)")
     if len(traffic.settings_ran) != 1:
         return prior.skip(f"the pods ran {len(traffic.settings_ran)} settings in the window (a rollout in flight)")
+    if traffic.requests < 2:
+        return prior.skip(f"{traffic.requests} arrival(s) in the window")
     settings = lane_settings_from_spec(traffic.settings_ran[0])
-    arrivals = [t - traffic.start for t, r in zip(traffic.times, traffic.rows, strict=True) for _ in range(r)]
+    arrivals = traffic.trace().arrivals  # one per row, as every prediction here simulates them
     observed = Observed(tuple(o[1] for o in traffic.outcomes), tuple(o[2] for o in traffic.outcomes))
     window = Window(traffic.end, arrivals, observed, settings, replicas=len(traffic.pods))
     got = check_lane(window, profile, prior.correction)
@@ -729,10 +730,7 @@ def recommend_policy(
         except ValueError as exc:
             failed[name] = str(exc)
             continue
-        running = {
-            json_dumps_sorted(c.lanes[name].settings) for c in captures if name in c.lanes and c.lanes[name].settings
-        }
-        if len(running) > 1:
+        if len(traffic.settings_ran) > 1:
             rec.notes.append("pods run different settings for this lane (a rollout in flight)")
         spec_fields = {"maxBatchSize": lane.max_batch_size, "maxQueueDelay": lane.max_queue_delay}
         for c in captures:
@@ -758,7 +756,3 @@ def _seconds(value: Any) -> float | None:
         return parse_duration(value)
     except ValueError:
         return None
-
-
-def json_dumps_sorted(value: Any) -> str:
-    return json.dumps(value, sort_keys=True)
