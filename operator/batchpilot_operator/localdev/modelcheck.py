@@ -8,8 +8,8 @@ replaced pod served is kept from before it went.
 :func:`window_rows` then takes each lane-level p99 analysis of the ledger (the canary and the
 stable track it was compared with, over the analysis's own query window) and replays the
 arrivals those pods really received through the tuner's model, with the setting they ran and
-the profile they measured (:func:`batchpilot_operator.tune.calibration.check_lane`: the same
-check the operator's calibration makes). Each row: the model's p99, the p99 the pods recorded
+the profile they measured (:func:`batchpilot_operator.tune.live.calibrate`: the check the
+operator's calibration makes). Each row: the model's p99, the p99 the pods recorded
 for the same requests, and the p99 Prometheus gave the analysis (its histogram buckets and
 rate window: an estimate of the same thing).
 """
@@ -26,8 +26,8 @@ from dataclasses import dataclass, field
 from datetime import datetime
 from typing import Any
 
-from batchpilot_operator.tune.calibration import Observed, Window, check_lane
-from batchpilot_operator.tune.live import lane_settings_from_spec, merge_profiles
+from batchpilot_operator.tune.calibration import LaneCalibration
+from batchpilot_operator.tune.live import MergedTraffic, calibrate, merge_profiles
 
 _RANGE = re.compile(r"\[(\d+(?:\.\d+)?)s\]")
 
@@ -117,27 +117,37 @@ def check_window(pods: Sequence[PodRecord], lane: str, start: float, end: float)
     ]
     if not pods:
         return None
-    times: list[float] = []
-    observed_lat: list[float] = []
-    observed_wait: list[float] = []
+    pairs: list[tuple[float, int]] = []
+    outcomes: list[tuple[float, float, float]] = []
     for p in pods:
         for t, (rows, lat, wait) in p.arrivals[lane].items():
             if start <= t <= end:
-                times += [t] * rows
+                pairs.append((t, rows))
                 if lat is not None:
-                    observed_lat.append(lat)
-                    observed_wait.append(wait)
-    if len(times) < 2:
-        return None
-    times.sort()
+                    outcomes.append((t, lat, wait))
+    pairs.sort()
+    settings_ran: list[dict[str, Any]] = []
+    for p in pods:
+        if p.settings[lane] not in settings_ran:
+            settings_ran.append(p.settings[lane])
+    traffic = MergedTraffic(
+        lane=lane,
+        pods=sorted(p.pod for p in pods),
+        revisions=sorted({p.revision for p in pods}),
+        start=start,
+        end=end,
+        times=[t for t, _ in pairs],
+        rows=[r for _, r in pairs],
+        outcomes=sorted(outcomes),
+        settings_ran=settings_ran,
+    )
+    # The operator's own check (tune.live.calibrate), with no correction.
     profile = merge_profiles([p.profile for p in pods if p.profile is not None])
-    settings = lane_settings_from_spec(pods[0].settings[lane])
-    window = Window(end, [t - times[0] for t in times], Observed(tuple(observed_lat), tuple(observed_wait)), settings,
-                    replicas=len(pods))  # fmt: skip
-    got = check_lane(window, profile, 1.0)
-    served = {"revisions": sorted({p.revision for p in pods}), "pods": len(pods)}
-    if isinstance(got, str):
-        return served | {"requests": len(observed_lat), "skipped": got}
+    cal = calibrate(traffic, profile, LaneCalibration())
+    served = {"revisions": traffic.revisions, "pods": len(pods)}
+    got = cal.last
+    if got is None:
+        return served | {"requests": len(outcomes), "skipped": cal.skipped}
     return served | {
         "requests": got.requests,
         "predictedP99": got.predicted_p99,
