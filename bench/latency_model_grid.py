@@ -10,7 +10,7 @@ measured capacity), a fresh runtime serves the trace slice open-loop ``--repeats
   counts against the server; the send lateness p99 is recorded);
 * **server**: the runtime's own record of the same requests (``/admin/arrivals`` outcomes: the
   latency from the handler's start to the answer) and the model's p99 for *the arrivals the
-  server saw*, through :func:`batchpilot_operator.tune.calibration.check_lane` — what the
+  server saw*, through :func:`batchpilot_operator.tune.live.calibrate` — what the
   operator's calibration does live. It removes the load generator from the comparison.
 
 Per row (trace, setting, load): the prediction (the tuner's simulator on the scheduled
@@ -46,8 +46,8 @@ sys.path.insert(0, str(BENCH))
 
 import benchlib  # noqa: E402
 import tune_validation as tv  # noqa: E402
-from batchpilot_operator.tune.calibration import Observed, Window, check_lane  # noqa: E402
-from batchpilot_operator.tune.live import merge_traffic, parse_capture  # noqa: E402
+from batchpilot_operator.tune.calibration import LaneCalibration  # noqa: E402
+from batchpilot_operator.tune.live import calibrate, merge_traffic, parse_capture  # noqa: E402
 from batchpilot_operator.tune.profile import LatencyProfile  # noqa: E402
 from batchpilot_operator.tune.simulator import LaneSettings, simulate  # noqa: E402
 from batchpilot_operator.tune.trace import Trace, load_trace  # noqa: E402
@@ -97,24 +97,19 @@ def spearman(xs: list[float], ys: list[float]) -> float | None:
     return round(cov / den, 3) if den > 0 else None
 
 
-def server_check(
-    rt: tv.Runtime, since: float, profiles: dict[str, LatencyProfile], settings: LaneSettings
-) -> dict[str, Any]:
+def server_check(rt: tv.Runtime, since: float, profiles: dict[str, LatencyProfile]) -> dict[str, Any]:
     """The model's p99 for the arrivals the server recorded vs the server's own p99 for them, with
     each offline profile and with the runtime's own ``/admin/profile`` (``live``: what the
     operator's calibration uses)."""
     doc = tv.fetch_json(f"{rt.url}/admin/arrivals?since={since:.1f}s")
     live = LatencyProfile.model_validate(tv.fetch_json(f"{rt.url}/admin/profile"))
     traffic = merge_traffic([parse_capture(doc, "bench")], "interactive")
-    if traffic.outcomes is None:
-        return {"skipped": "no outcomes"}
-    arrivals = [t - traffic.start for t in traffic.times]
-    observed = Observed(tuple(o[1] for o in traffic.outcomes), tuple(o[2] for o in traffic.outcomes))
     out: dict[str, Any] = {}
     for name, profile in {**profiles, "live": live}.items():
-        got = check_lane(Window(traffic.end, arrivals, observed, settings, 1), profile, 1.0)
-        if isinstance(got, str):
-            return {"skipped": got}
+        cal = calibrate(traffic, profile, LaneCalibration())
+        got = cal.last
+        if got is None:
+            return {"skipped": cal.skipped}
         out["requests"] = got.requests
         out["observed_p99_ms"] = tv._ms(got.observed_p99)
         out[name] = {"predicted_p99_ms": tv._ms(got.predicted_p99), "error": round(got.raw_error, 3)}
@@ -136,7 +131,7 @@ def run_once(
         tv.replay(rt, [k * 0.02 for k in range(50)], body)  # warm up
         started = time.time()
         res = tv.replay(rt, offsets, body)
-        check = server_check(rt, time.time() - started, profiles, settings)
+        check = server_check(rt, time.time() - started, profiles)
     finally:
         rt.stop()
     return {
@@ -239,20 +234,11 @@ def main() -> int:
     with tempfile.TemporaryDirectory(prefix="bp-model-grid-") as tmpdir:
         tmp = Path(tmpdir)
         # Per-request overhead outside the model at working load (tune_validation's method).
-        calib_settings = LaneSettings(1, 0.0, 100_000, 30.0)
-        calib_offsets = [k / args.calib_rate for k in range(int(args.calib_rate * 15))]
-        rt = tv.Runtime(tmp, args.source, args.threads, calib_settings)
-        try:
-            tv.replay(rt, [k * 0.05 for k in range(40)], body)
-            calib = tv.replay(rt, calib_offsets, body)
-        finally:
-            rt.stop()
+        steady = tv.SteadyStream(tmp, args, body)
         profiles: dict[str, LatencyProfile] = {}
         overheads: dict[str, float] = {}
         for name, prof in offline.items():
-            sim0 = simulate(calib_offsets, calib_settings, prof.exec_table(1, "p50"))
-            median0 = sorted(sim0.latencies)[len(sim0.latencies) // 2]
-            overheads[name] = max(0.0, float(calib["latency_ms"]["p50"]) / 1e3 - median0)
+            overheads[name] = steady.overhead(prof)
             profiles[name] = prof.model_copy(update={"request_overhead": overheads[name], "quantile": "p90"})
         profile = profiles["gap"]
         log(f"request overhead {overheads}")

@@ -435,22 +435,12 @@ def main() -> int:
 
     with tempfile.TemporaryDirectory(prefix="bp-tune-val-") as tmpdir:
         tmp = Path(tmpdir)
-        # Per-request overhead outside the model, at working load rather than idle (an idle box
-        # adds thread wake-ups that a busy one does not): a steady stream at --calib-rate to a
-        # B=1 lane; overhead = measured median - simulated median without overhead.
-        calib_settings = LaneSettings(1, 0.0, 100_000, 30.0)
-        calib_offsets = [k / args.calib_rate for k in range(int(args.calib_rate * 15))]
-        rt = Runtime(tmp, args.source, args.threads, calib_settings, args.switch_interval)
-        try:
-            replay(rt, [k * 0.05 for k in range(40)], body)  # warm the connection pool and caches
-            calib = replay(rt, calib_offsets, body)
-        finally:
-            rt.stop()
-        sim0 = simulate(calib_offsets, calib_settings, profile.exec_table(1, "p50"))
-        e2e = float(calib["latency_ms"]["p50"]) / 1e3
-        overhead = max(0.0, e2e - sorted(sim0.latencies)[len(sim0.latencies) // 2])
+        steady = SteadyStream(tmp, args, body)
+        overhead = steady.overhead(profile)
         profile = profile.model_copy(update={"request_overhead": overhead})
-        log(f"request overhead {overhead * 1e3:.3f} ms (median latency {e2e * 1e3:.3f} ms at {args.calib_rate} req/s)")
+        log(
+            f"request overhead {overhead * 1e3:.3f} ms (median latency {steady.p50 * 1e3:.3f} ms at {args.calib_rate} req/s)"
+        )
 
         slo = SLOTargets(parse_duration(args.p99), parse_duration(args.queue_age), args.margin)
         t0 = time.perf_counter()
@@ -543,6 +533,28 @@ def main() -> int:
     if args.out:
         Path(args.out).write_text(text)
     return 0
+
+
+class SteadyStream:
+    """Per-request overhead outside the model, at working load rather than idle (an idle box adds
+    thread wake-ups that a busy one does not): a steady stream at ``args.calib_rate`` to a B=1
+    lane, served once; :meth:`overhead` = its median latency - the simulated median without
+    overhead, for a given profile."""
+
+    SETTINGS = LaneSettings(1, 0.0, 100_000, 30.0)
+
+    def __init__(self, tmp: Path, args: argparse.Namespace, body: str) -> None:
+        self.offsets = [k / args.calib_rate for k in range(int(args.calib_rate * 15))]
+        rt = Runtime(tmp, args.source, args.threads, self.SETTINGS, getattr(args, "switch_interval", None))
+        try:
+            replay(rt, [k * 0.05 for k in range(40)], body)  # warm the connection pool and caches
+            self.p50 = float(replay(rt, self.offsets, body)["latency_ms"]["p50"]) / 1e3
+        finally:
+            rt.stop()
+
+    def overhead(self, profile: LatencyProfile) -> float:
+        sim = simulate(self.offsets, self.SETTINGS, profile.exec_table(1, "p50"))
+        return max(0.0, self.p50 - sorted(sim.latencies)[len(sim.latencies) // 2])
 
 
 def measure_once(
