@@ -25,7 +25,7 @@ from typing import Any
 import yaml
 
 from batchpilot_operator.spec import KIND, LaneSpec, PolicySpec, parse_spec
-from batchpilot_operator.tune.calibration import UNMEASURED, LaneCalibration, load_calibration
+from batchpilot_operator.tune.calibration import UNMEASURED, LaneCalibration, load_calibration, policy_calibration
 from batchpilot_operator.tune.profile import load_profile
 from batchpilot_operator.tune.search import SLOTargets, TuneResult, result_dict, search
 from batchpilot_operator.tune.trace import load_trace
@@ -275,10 +275,11 @@ def _calibration(path: str | None, doc: dict[str, Any] | None, policy: str, lane
         if not isinstance(source, dict):
             raise ValueError(f"{path}: expected a BatchingPolicy or its status.recommendation.calibration")
         lanes = load_calibration(source, policy or None)
-    elif doc is not None and ((doc.get("status") or {}).get("recommendation") or {}).get("calibration"):
-        lanes = load_calibration(doc)
     else:
-        return None
+        found = policy_calibration(doc) if doc is not None else None
+        if found is None:
+            return None
+        lanes = found
     if lane not in lanes:
         raise ValueError(f"the calibration has no lane {lane!r} (lanes: {sorted(lanes)})")
     return lanes[lane]

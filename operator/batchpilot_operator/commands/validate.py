@@ -33,7 +33,13 @@ from pydantic import ValidationError
 
 from batchpilot_operator.feasibility import check_policy, check_rollout, lane_budget, ms
 from batchpilot_operator.spec import API_VERSION, KIND, parse_spec
-from batchpilot_operator.tune.calibration import TOLERANCE, UNMEASURED, LaneCalibration, load_calibration
+from batchpilot_operator.tune.calibration import (
+    TOLERANCE,
+    UNMEASURED,
+    LaneCalibration,
+    load_calibration,
+    policy_calibration,
+)
 from batchpilot_operator.tune.profile import LatencyProfile, load_profile
 
 NAME_RE = re.compile(r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)*$")
@@ -236,12 +242,7 @@ def validate_document(
     for finding in check_policy(spec, profile):
         path = _loc_of_field(finding.field)
         problem(finding.severity, finding.message, path, field=finding.field, lane=finding.lane, check=finding.check)
-    lanes_cal = (calibrations or {}).get(str(policy))
-    if lanes_cal is None and ((doc.get("status") or {}).get("recommendation") or {}).get("calibration"):
-        try:
-            lanes_cal = load_calibration(doc)
-        except ValueError:
-            lanes_cal = None
+    lanes_cal = (calibrations or {}).get(str(policy)) or policy_calibration(doc)
     if lanes_cal is None:
         problem("info", UNMEASURED, check="calibration")
         return problems

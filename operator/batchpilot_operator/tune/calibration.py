@@ -264,6 +264,11 @@ UNMEASURED: Final = (
 )
 
 
+def policy_calibration(doc: Mapping[str, Any]) -> dict[str, LaneCalibration] | None:
+    """The calibration in a BatchingPolicy document's own status (None: it carries none)."""
+    return calibrations_from_status((doc.get("status") or {}).get("recommendation")) or None
+
+
 def load_calibration(doc: Mapping[str, Any], policy: str | None = None) -> dict[str, LaneCalibration]:
     """Per lane, the calibration in a document: a BatchingPolicy with its status (``kubectl get
     batchingpolicy NAME -o yaml``), its ``status.recommendation``, or the ``calibration`` map itself.
