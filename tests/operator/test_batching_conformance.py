@@ -104,7 +104,11 @@ def test_every_engine_cuts_the_runtime_schedulers_batches(shape: str, settings: 
     assert (auto.dropped, auto.timeouts) == (exact.dropped, exact.timeouts)
     assert sum(exact.batch_sizes) + exact.dropped + exact.timeouts == len(arrivals), "every request accounted for"
     assert max(exact.batch_sizes) <= settings.max_batch_size
-    records = simulate_requests(arrivals, settings, TABLE)  # canary_eval's per-request view
+    # canary_eval's per-request view: the batch-by-batch walk (exact on a drop) gives every
+    # request the exact engine's fate.
+    records = simulate_requests(arrivals, settings, TABLE)
+    exact_records = simulate_requests(arrivals, settings, TABLE, engine="exact")
+    assert sorted(records, key=lambda r: r.arrival) == sorted(exact_records, key=lambda r: r.arrival)
     if delay == 0.0:
         assert sorted(r.latency for r in records if r.outcome == "ok") == sorted(exact.latencies)
     # The early-exit verdict agrees with the exact engine's quantiles (targets off the time grid).

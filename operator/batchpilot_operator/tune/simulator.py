@@ -429,11 +429,25 @@ def simulate_requests(
     exec_table: Sequence[float],
     request_overhead: float = 0.0,
     exec_scale: Sequence[float] | None = None,
+    engine: Literal["auto", "exact"] = "auto",
 ) -> list[RequestRecord]:
-    """One replica, request by request (the exact engine): every request's outcome, latency
-    and queue age, in the order the runtime answered them. For studies that need the time
-    structure (bench/canary_eval.py windows them as Prometheus would)."""
+    """One replica, request by request: every request's outcome, latency and queue age. For
+    studies that need the time structure (bench/canary_eval.py windows them as Prometheus
+    would). The exact engine lists them in the order the runtime answered them; ``auto``
+    walks batch by batch when nothing is dropped or timed out (every request is then served,
+    in arrival order, with the same latencies) and replays exactly otherwise."""
     _check_table(settings, exec_table)
+    if engine == "auto":
+        scratch = SimResult(len(arrivals))
+        try:
+            _fast_replica(arrivals, settings, exec_table, request_overhead, scratch, exec_scale)
+        except _NeedsExact:
+            pass
+        else:
+            return [
+                RequestRecord(a, "ok", lat, wait)
+                for a, lat, wait in zip(arrivals, scratch.latencies, scratch.queue_waits, strict=True)
+            ]
     records: list[RequestRecord] = []
     _exact_replica(arrivals, settings, exec_table, request_overhead, SimResult(len(arrivals)), exec_scale, records)
     return records
