@@ -42,6 +42,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import functools
 import json
 import math
 import os
@@ -71,6 +72,7 @@ from batchpilot_operator.analysis import (
     run_analysis,
     verdicts,
 )
+from batchpilot_operator.fairness import judge_load, per_pod_rate_query
 from batchpilot_operator.planner import (
     Commands,
     Observed,
@@ -79,18 +81,29 @@ from batchpilot_operator.planner import (
     analysis_due,
     analysis_target,
     plan,
+    split_for,
 )
 from batchpilot_operator.spec import PolicySpec
 from batchpilot_operator.status import Status
+from batchpilot_operator.traffic import RouteObserved
 from batchpilot_operator.tune.profile import load_profile
 from batchpilot_operator.tune.simulator import LaneSettings, RequestRecord, simulate_requests
-from batchpilot_operator.tune.trace import load_trace
+from batchpilot_operator.tune.trace import Trace, load_trace
 from batchpilot_runtime.metrics import LATENCY_BUCKETS
 
 ROOT = Path(__file__).resolve().parent.parent
-TRACE = ROOT.parent / "shared" / "traces" / "azure-llm-2023-code.csv"
+TRACES = ROOT.parent / "shared" / "traces"
+TRACE = TRACES / "azure-llm-2023-code.csv"
+CONVERSATION = TRACES / "mooncake-2025-conversation.csv"
+CONVERSATION_BUCKET_S = 3.0
 PROFILE = ROOT / "manifests" / "profiles" / "mlp-cpu.yaml"
 REPLICAS = 4
+"""The replicas the per-trace load is calibrated at; a cell with other replicas runs the same
+per-pod load (the rate scaled by its replicas over these)."""
+TENANTS = tuple(f"t{k}" for k in range(1, 9))
+"""With ``--tenants``: 8 declared tenants plus ``other``, Zipf shares (1/k over the 9)."""
+TENANT_LABELS = (*TENANTS, "other")
+TENANT_WEIGHTS = tuple(1.0 / k for k in range(1, len(TENANT_LABELS) + 1))
 EXEC_SIGMA = 0.3
 """Lognormal sigma of forward-time noise around the profile's median (p90/p50 ~ 1.5)."""
 TIMEOUT = 1.0
@@ -98,12 +111,36 @@ EPOCH = datetime(2026, 1, 1, tzinfo=UTC)
 BOUNDS = np.array([*LATENCY_BUCKETS, math.inf])
 
 STABLE = LaneSettings(max_batch_size=8, max_queue_delay=0.002, max_queue_length=512, request_timeout=TIMEOUT)
-SCENARIOS = ("aa", "good", "bad", "slower20", "shed2")
-GOOD = ("aa", "good")
+SCENARIOS = ("aa", "faster", "good", "bad", "slower20", "shed2")
+GOOD = ("aa", "faster", "good")
+ROUTINGS = ("ratio", "gateway")
+"""``ratio``: the default, each step's weight as a share of the pods (every pod an equal share of
+the requests); ``gateway``: weights set exactly on a Gateway API route, steps 10/25/50 and
+minCanaryLoadRatio 0.5 as the shipped example (manifests/examples/gateway-canary.yaml)."""
+
+
+@dataclass(frozen=True)
+class Cell:
+    """Where rollouts run: the arrivals, the policy's replicas, how traffic reaches the canary,
+    and whether the lane is judged per tenant slice too."""
+
+    trace: str
+    replicas: int = REPLICAS
+    routing: str = "ratio"
+    tenants: bool = False
+
+    @property
+    def name(self) -> str:
+        return f"{self.trace}/{self.replicas}r/{self.routing}" + ("/tenants" if self.tenants else "")
 
 
 def policy(
-    batch: int, window_ms: float, queue: int, image: str = "img:1", confidence: float | None = None
+    batch: int,
+    window_ms: float,
+    queue: int,
+    image: str = "img:1",
+    confidence: float | None = None,
+    cell: Cell = Cell("code"),
 ) -> PolicySpec:
     rollout: dict[str, Any] = {
         "steps": [{"weight": 25, "pause": "20s"}, {"weight": 50, "pause": "20s"}],
@@ -112,13 +149,17 @@ def policy(
         "minSamples": 100,
         "maxInconclusive": 10,
     }
+    if cell.routing == "gateway":
+        rollout["steps"] = [{"weight": w, "pause": "20s"} for w in (10, 25, 50)]
+        rollout["trafficRouting"] = {"gatewayAPI": {"httpRoute": "r", "rule": "infer"}, "minCanaryLoadRatio": 0.5}
     confidence = confidence or float(os.environ.get("CANARY_EVAL_CONFIDENCE", "0")) or None
     if confidence is not None:
         rollout["confidence"] = confidence
     return PolicySpec.model_validate(
         {
             "model": {"name": "mlp", "image": image, "source": "builtin:mlp", "device": "cpu"},
-            "replicas": REPLICAS,
+            "replicas": cell.replicas,
+            **({"tenants": {"names": list(TENANTS)}} if cell.tenants else {}),
             "lanes": [
                 {
                     "name": "interactive",
@@ -139,8 +180,8 @@ def policy(
 
 def make_trace(kind: str, rate: float, duration: float, rng: random.Random) -> list[float]:
     """Arrival times over ``duration`` seconds at mean ``rate`` req/s."""
-    if kind == "azure":
-        base = load_trace(TRACE).scaled_arrivals(rate)
+    if kind in ("code", "azure", "conversation"):
+        base = _base_trace(kind).scaled_arrivals(rate)
         period = base[-1] + 1.0 / rate
         offset = rng.uniform(0, period)
         out: list[float] = []
@@ -179,6 +220,15 @@ def make_trace(kind: str, rate: float, duration: float, rng: random.Random) -> l
             on = not on
         return times
     raise ValueError(f"unknown trace {kind}")
+
+
+@functools.cache
+def _base_trace(kind: str) -> Trace:
+    """The code trace, or the conversation trace with its 3 s buckets spread uniformly (fixed
+    seed), as its README asks."""
+    if kind == "conversation":
+        return load_trace(CONVERSATION).spread(CONVERSATION_BUCKET_S, seed=0)
+    return load_trace(TRACE)
 
 
 # --------------------------------------------------------------------------- one simulated run
@@ -254,30 +304,78 @@ def histogram_quantile(q: float, buckets: Sequence[tuple[float, float]]) -> floa
 
 
 @dataclass
-class Run:
-    """One simulated run: per layout (canary pods), the stable's and the canary's data."""
+@dataclass
+class Layout:
+    """The pods of one step and what each track's pods saw, by (track, tenant label or None for
+    every request)."""
 
-    layouts: dict[int, dict[str, TrackData]]
+    stable_pods: int
+    canary_pods: int
+    canary_share: float
+    tracks: dict[tuple[str, str | None], TrackData]
+
+
+@dataclass
+class Run:
+    """One simulated run: per step weight, its layout."""
+
+    layouts: dict[int, Layout]
     duration: float
 
 
+def step_layouts(spec: PolicySpec) -> dict[int, tuple[int, int, float]]:
+    """Per step weight of ``spec``: (stable pods, canary pods, the canary's share of the requests),
+    from the planner's own split (``planner.split_for``): with a route the share is the weight;
+    without one, every pod takes an equal share."""
+    out: dict[int, tuple[int, int, float]] = {}
+    for step in spec.rollout.steps:
+        split = split_for(spec, step.weight)
+        routed = spec.rollout.traffic_routing is not None
+        share = step.weight / 100 if routed else split.canary / (split.stable + split.canary)
+        out[step.weight] = (split.stable, split.canary, share)
+    return out
+
+
 def simulate_run(
-    arrivals: list[float], canary: LaneSettings, table: list[float], canary_scale: float, seed: int
+    arrivals: list[float],
+    canary: LaneSettings,
+    table: list[float],
+    canary_scale: float,
+    seed: int,
+    spec: PolicySpec,
+    tenants: bool = False,
+    weights: Sequence[int] | None = None,
 ) -> Run:
+    """Every request routed to one pod as ``spec`` routes it at each step (only the steps of
+    ``weights`` when given), each pod simulated with its own forward-time noise."""
     rng = random.Random(seed)
-    layouts: dict[int, dict[str, TrackData]] = {}
-    for canary_pods in (1, 2):
-        pods: list[list[float]] = [[] for _ in range(REPLICAS)]
-        for t in arrivals:
-            pods[rng.randrange(REPLICAS)].append(t)
-        recs: dict[str, list[RequestRecord]] = {"canary": [], "stable": []}
-        for i, part in enumerate(pods):
-            track = "canary" if i < canary_pods else "stable"
+    labels = rng.choices(range(len(TENANT_LABELS)), weights=TENANT_WEIGHTS, k=len(arrivals)) if tenants else None
+    layouts: dict[int, Layout] = {}
+    for weight, (stable_pods, canary_pods, share) in step_layouts(spec).items():
+        if weights is not None and weight not in weights:
+            continue
+        pods: list[list[int]] = [[] for _ in range(stable_pods + canary_pods)]  # canary pods first
+        routed = spec.rollout.traffic_routing is not None
+        for i in range(len(arrivals)):
+            if routed:
+                pod = rng.randrange(canary_pods) if rng.random() < share else canary_pods + rng.randrange(stable_pods)
+            else:
+                pod = rng.randrange(len(pods))
+            pods[pod].append(i)
+        recs: dict[tuple[str, str | None], list[RequestRecord]] = {}
+        for k, part in enumerate(pods):
+            track = "canary" if k < canary_pods else "stable"
             noise = [math.exp(rng.gauss(0, EXEC_SIGMA)) for _ in range(4096)]
             settings = canary if track == "canary" else STABLE
             tab = [x * (canary_scale if track == "canary" else 1.0) for x in table]
-            recs[track] += simulate_requests(part, settings, tab, exec_scale=noise)
-        layouts[canary_pods] = {k: TrackData.of(v) for k, v in recs.items()}
+            got = simulate_requests([arrivals[i] for i in part], settings, tab, exec_scale=noise)
+            recs.setdefault((track, None), []).extend(got)
+            if labels is not None:
+                # Records come back in answer order; the requests' tenants in arrival order.
+                ordered = sorted(got, key=lambda r: r.arrival)
+                for i, r in zip(part, ordered, strict=True):
+                    recs.setdefault((track, TENANT_LABELS[labels[i]]), []).append(r)
+        layouts[weight] = Layout(stable_pods, canary_pods, share, {k: TrackData.of(v) for k, v in recs.items()})
     return Run(layouts, arrivals[-1] if arrivals else 0.0)
 
 
@@ -290,36 +388,45 @@ class SimPrometheus:
     sub-window boundaries) at the instant ``at``, as Prometheus would from the runtime's
     histograms and counters. Queries are recognised by the strings the analysis builds."""
 
-    def __init__(self, spec: PolicySpec, tracks: dict[str, TrackData], revisions: tuple[str, str]) -> None:
-        self.tracks = tracks
+    def __init__(self, spec: PolicySpec, layout: Layout, revisions: tuple[str, str]) -> None:
+        self.layout = layout
         self.window = spec.rollout.analysis_interval
         canary, stable = revisions
         self.lqs = plan_queries(spec, policy="p", namespace="n", canary_revision=canary, stable_revision=stable)
-        self.kind: dict[str, tuple[str, str, str]] = {}
+        Key = tuple[str, str | None, str, str]
+        self.kind: dict[str, Key] = {}
         for lq in self.lqs:
             for m in lq.metrics:
-                self.kind[m.value] = (lq.track, m.metric, "value")
-                self.kind[m.samples] = (lq.track, m.metric, "samples")
-                self.kind[m.bad] = (lq.track, m.metric, "bad")
+                self.kind[m.value] = (lq.track, lq.tenant, m.metric, "value")
+                self.kind[m.samples] = (lq.track, lq.tenant, m.metric, "samples")
+                self.kind[m.bad] = (lq.track, lq.tenant, m.metric, "bad")
                 if m.codes is not None:
-                    self.kind[m.codes] = (lq.track, m.metric, "codes")
+                    self.kind[m.codes] = (lq.track, lq.tenant, m.metric, "codes")
         for cq in counter_queries(self.lqs, policy="p", namespace="n"):
-            self.kind[cq.requests] = (cq.track, cq.metric, "counter_requests")
-            self.kind[cq.bad] = (cq.track, cq.metric, "counter_bad")
+            self.kind[cq.requests] = (cq.track, cq.tenant, cq.metric, "counter_requests")
+            self.kind[cq.bad] = (cq.track, cq.tenant, cq.metric, "counter_bad")
+        for track, rev in (("canary", canary), ("stable", stable)):  # fairness.judge_load's per-pod rates
+            q = per_pod_rate_query(namespace="n", policy="p", track=track, revision=rev, window=self.window)
+            self.kind[q] = (track, None, "perPodRate", "value")
 
     def measure(self, queries: Sequence[str], at: float | None = None) -> dict[str, Measurement]:
         assert at is not None
         t = at - EPOCH.timestamp()
         out: dict[str, Measurement] = {}
-        cache: dict[tuple[str, bool], dict[str, Any]] = {}
+        cache: dict[tuple[str, str | None, bool], dict[str, Any]] = {}
+        empty = TrackData.of([])
         for q in queries:
-            track, metric, kind = self.kind[q]
+            track, tenant, metric, kind = self.kind[q]
             cumulative_read = kind.startswith("counter")
-            key = (track, cumulative_read)
+            key = (track, tenant, cumulative_read)
             if key not in cache:
                 start = -math.inf if cumulative_read else t - self.window
-                cache[key] = self.tracks[track].window(start, t)
+                cache[key] = self.layout.tracks.get((track, tenant), empty).window(start, t)
             w = cache[key]
+            if metric == "perPodRate":
+                pods = self.layout.canary_pods if track == "canary" else self.layout.stable_pods
+                out[q] = Measurement(q, value=w["served"] / self.window / pods if w["served"] else None)
+                continue
             out[q] = answer(w, metric, kind, q)
         return out
 
@@ -393,17 +500,19 @@ def analyse(
     rule: str,
     spec: PolicySpec,
     run: Run,
-    canary_pods: int,
+    weight: int,
     end: float,
     revisions: tuple[str, str] = ("c", "s"),
     history: dict[str, list[list[float]]] | None = None,
+    step_index: int = 0,
 ) -> AnalysisResult:
-    """One analysis at ``end`` (trace seconds): the real run_analysis against the simulated
-    Prometheus for the new rule; the old rule over the same window's measurements."""
-    prom = SimPrometheus(spec, run.layouts[canary_pods], revisions)
+    """One analysis at ``end`` (trace seconds) of the step at ``weight``: the real run_analysis
+    against the simulated Prometheus for the new rule, then the load check the controller adds
+    under a route (``fairness.judge_load``); the old rule over the same window's measurements."""
+    prom = SimPrometheus(spec, run.layouts[weight], revisions)
     now = EPOCH + timedelta(seconds=end)
     if rule == "new":
-        return run_analysis(
+        result = run_analysis(
             prom,
             spec,
             policy="p",
@@ -413,6 +522,20 @@ def analyse(
             now=now,
             history=history,
         )
+        routing = spec.rollout.traffic_routing
+        if routing is not None:
+            result = judge_load(
+                prom,
+                result,
+                routing,
+                policy="p",
+                namespace="n",
+                spec=spec,
+                step_index=step_index,
+                now=now,
+                emit=lambda *_: None,
+            )
+        return result
     ms = prom.measure([q for lq in prom.lqs for q in lq.all()], at=now.timestamp())
     return AnalysisResult(
         time=now,
@@ -451,6 +574,10 @@ def rollout(rule: str, old: PolicySpec, new: PolicySpec, run: Run, start: float)
             canary=TrackObserved(d.canary_revision, d.canary_replicas, d.canary_replicas)
             if d.canary_revision
             else None,
+            # the route takes the weights at once
+            route=RouteObserved(d.route.stable_weight, d.route.canary_weight, d.route.header)
+            if d.route is not None
+            else None,
         )
         return d
 
@@ -460,6 +587,7 @@ def rollout(rule: str, old: PolicySpec, new: PolicySpec, run: Run, start: float)
     step(start, None)
     d = step(start, None)
     now, analyses, first_failed, seen = start, 0, None, 0.0
+    detectable: float | None = None  # what the first analysis said the rollout can see
     outcome = "running"
     while now < run.duration:
         now += d.requeue_after if d.requeue_after else 1.0
@@ -467,13 +595,24 @@ def rollout(rule: str, old: PolicySpec, new: PolicySpec, run: Run, start: float)
             break
         analysis = None
         if status.rollout is not None and analysis_due(spec, status, EPOCH + timedelta(seconds=now)):
-            canary_pods = 1 if status.rollout.step_weight <= 25 else 2
             target = analysis_target(status)
             assert target is not None and target[1] is not None
-            analysis = analyse(rule, spec, run, canary_pods, now, (target[0], target[1]), status.rollout.evidence)
+            analysis = analyse(
+                rule,
+                spec,
+                run,
+                status.rollout.step_weight,
+                now,
+                (target[0], target[1]),
+                status.rollout.evidence,
+                status.rollout.step_index,
+            )
         d = step(now, analysis)
         if analysis is not None and d.analysis_outcomes:
             analyses += 1
+            if analyses == 1 and status.last_analysis is not None and status.last_analysis.lanes:
+                found = status.last_analysis.lanes[0].detectable_p99_regression
+                detectable = math.inf if found is None else found
             seen = max(seen, *(tally_share(v) for k, v in analysis.tally.items() if k.endswith("/canary")), 0.0)
             if d.analysis_outcomes[0] == "Failed" and first_failed is None:
                 first_failed = analyses
@@ -484,7 +623,13 @@ def rollout(rule: str, old: PolicySpec, new: PolicySpec, run: Run, start: float)
         if stalled is not None and stalled.status == "True" and stalled.reason == "InconclusiveLimit":
             outcome = "Held"
             break
-    return {"outcome": outcome, "analyses": analyses, "seconds": now - start, "worst_share_seen": seen}
+    return {
+        "outcome": outcome,
+        "analyses": analyses,
+        "seconds": now - start,
+        "worst_share_seen": seen,
+        "detectable": detectable,
+    }
 
 
 def tally_share(slices: list[list[float]]) -> float:
@@ -497,63 +642,87 @@ def tally_share(slices: list[list[float]]) -> float:
 # --------------------------------------------------------------------------- the study
 
 
-def canary_settings(scenario: str, shed_queue: int) -> tuple[LaneSettings, float, PolicySpec]:
+def canary_settings(scenario: str, shed_queue: int, cell: Cell) -> tuple[LaneSettings, float, PolicySpec]:
     if scenario == "aa":
         # The same model and settings under a new image tag: a new revision that is the stable.
-        return STABLE, 1.0, policy(8, 2, 512, image="img:aa")
+        return STABLE, 1.0, policy(8, 2, 512, image="img:aa", cell=cell)
+    if scenario == "faster":
+        # A model 1.5x faster (every forward time / 1.5), the settings unchanged.
+        return STABLE, 1 / 1.5, policy(8, 2, 512, image="img:faster", cell=cell)
     if scenario == "good":
-        return LaneSettings(16, 0.005, 512, TIMEOUT), 1.0, policy(16, 5, 512)
+        return LaneSettings(16, 0.005, 512, TIMEOUT), 1.0, policy(16, 5, 512, cell=cell)
     if scenario == "bad":
-        return LaneSettings(64, 0.110, 512, TIMEOUT), 1.0, policy(64, 110, 512)
+        return LaneSettings(64, 0.110, 512, TIMEOUT), 1.0, policy(64, 110, 512, cell=cell)
     if scenario == "slower20":
         # A different model image (a new revision); the lane settings stay.
-        return STABLE, 1.2, policy(8, 2, 512, image="img:slower")
+        return STABLE, 1.2, policy(8, 2, 512, image="img:slower", cell=cell)
     if scenario == "shed2":
-        return LaneSettings(8, 0.002, shed_queue, TIMEOUT), 1.0, policy(8, 2, shed_queue)
+        return LaneSettings(8, 0.002, shed_queue, TIMEOUT), 1.0, policy(8, 2, shed_queue, cell=cell)
     raise ValueError(scenario)
 
 
-def cell(args: tuple[str, str, float, int, int, int, float, list[float]]) -> dict[str, Any]:
-    trace, scenario, rate, runs, seed0, shed_queue, duration, table = args
-    canary, scale, new_spec = canary_settings(scenario, shed_queue)
-    old_spec = policy(8, 2, 512)
+ROLLOUT_SECONDS = 260.0
+"""Traffic per rollout: enough for every step, a failureLimit of Failed analyses and the
+maxInconclusive limit (10 analyses of 15 s) after the first step."""
+
+
+def cell(args: tuple[Cell, str, float, int, int, int, list[float], bool]) -> dict[str, Any]:
+    """``rollouts`` whole rollouts of one scenario in one cell, each over its own simulated run
+    (a random start into the trace); with ``windows``, every analysis window of every step's
+    layout is judged too (the share of Failed analyses)."""
+    where, scenario, rate, rollouts, seed0, shed_queue, table, windows = args
+    canary, scale, new_spec = canary_settings(scenario, shed_queue, where)
+    old_spec = policy(8, 2, 512, cell=where)
     counts: dict[str, Any] = {
         r: {"analyses": 0, "failed": 0, "inconclusive": 0, "rollouts": []}
-        for r in os.environ.get("CANARY_EVAL_RULES", ",".join(RULES)).split(",")
+        for r in os.environ.get("CANARY_EVAL_RULES", "new").split(",")
     }
     w = old_spec.rollout.analysis_interval
-    for i in range(runs):
+    for i in range(rollouts):
         seed = seed0 + i
         rng = random.Random(seed)
-        arrivals = make_trace(trace, rate, duration, rng)
-        run = simulate_run(arrivals, canary, table, scale, seed)
+        arrivals = make_trace(where.trace, rate, ROLLOUT_SECONDS + 10.0, rng)
+        run = simulate_run(arrivals, canary, table, scale, seed, new_spec, where.tenants)
         for rule in counts:
             c = counts[rule]
-            for canary_pods in (1, 2):
-                end = 10.0 + w
-                while end < run.duration:
-                    a = analyse(rule, new_spec, run, canary_pods, end)
-                    c["analyses"] += 1
-                    c["failed"] += a.outcome is Outcome.FAILED
-                    c["inconclusive"] += a.outcome is Outcome.INCONCLUSIVE
-                    end += w
-            for start in (10.0, 10.0 + (duration - 10.0) / 3, 10.0 + 2 * (duration - 10.0) / 3):
-                if start + 200 < run.duration:
-                    c["rollouts"].append(rollout(rule, old_spec, new_spec, run, start))
-    return {"trace": trace, "scenario": scenario, "rate": rate, "counts": counts}
+            if windows:
+                for weight in run.layouts:
+                    end = 10.0 + w
+                    while end < run.duration:
+                        a = analyse(rule, new_spec, run, weight, end)
+                        c["analyses"] += 1
+                        c["failed"] += a.outcome is Outcome.FAILED
+                        c["inconclusive"] += a.outcome is Outcome.INCONCLUSIVE
+                        end += w
+            c["rollouts"].append(rollout(rule, old_spec, new_spec, run, 10.0))
+    return {"cell": dataclasses.asdict(where), "scenario": scenario, "rate": rate, "counts": counts}
+
+
+CALIBRATION = Cell("code")
+"""The layout the load is calibrated on: 4 replicas, the ratio split, its 50% step (2 pods each)."""
+
+
+def calibration_run(
+    trace: str, rate: float, d: float, seed: int, settings: LaneSettings, scale: float, table: list[float]
+) -> Layout:
+    spec = policy(8, 2, 512, cell=dataclasses.replace(CALIBRATION, trace=trace))
+    run = simulate_run(
+        make_trace(trace, rate, d, random.Random(seed)), settings, table, scale, seed, spec, weights=[50]
+    )
+    return run.layouts[50]
 
 
 def stable_breach_share(trace: str, rate: float, table: list[float], duration: float, runs: int = 6) -> float:
     """The share of 15 s windows in which the stable track (2 of 4 pods) breaches its p99 latency
     or p99 queue-age objective (the point estimates)."""
-    spec = policy(8, 2, 512)
+    spec = policy(8, 2, 512, cell=dataclasses.replace(CALIBRATION, trace=trace))
     hits = total = 0
     for seed in range(runs):
         rng = random.Random(10_000 + seed)
-        run = simulate_run(make_trace(trace, rate, duration, rng), STABLE, table, 1.0, seed)
+        run = simulate_run(make_trace(trace, rate, duration, rng), STABLE, table, 1.0, seed, spec, weights=[50])
         end = 25.0
         while end < run.duration:
-            a = analyse("new", spec, run, 2, end)
+            a = analyse("new", spec, run, 50, end)
             checks = [a.lanes[0].check(m, "stable") for m in ("p99Latency", "queueAge")]
             if all(c is not None and c.value is not None and (c.samples or 0) >= 100 for c in checks):
                 total += 1
@@ -574,18 +743,15 @@ def calibrate(trace: str, table: list[float], target: float = 0.10) -> float:
 
 
 def whole_p99(trace: str, rate: float, settings: LaneSettings, scale: float, table: list[float], d: float) -> float:
-    rng = random.Random(99)
-    arrivals = make_trace(trace, rate, d, rng)
-    run = simulate_run(arrivals, settings, table, scale, 99)
-    lat = np.concatenate([run.layouts[2][t].lat_v for t in ("canary", "stable")])
-    canary = run.layouts[2]["canary"].lat_v
+    layout = calibration_run(trace, rate, d, 99, settings, scale, table)
+    lat = np.concatenate([layout.tracks[(t, None)].lat_v for t in ("canary", "stable")])
+    canary = layout.tracks[("canary", None)].lat_v
     return float(np.quantile(canary if scale != 1.0 else lat, 0.99))
 
 
 def shed_share(trace: str, rate: float, queue: int, table: list[float], d: float) -> float:
-    rng = random.Random(98)
-    run = simulate_run(make_trace(trace, rate, d, rng), LaneSettings(8, 0.002, queue, TIMEOUT), table, 1.0, 98)
-    c = run.layouts[2]["canary"]
+    layout = calibration_run(trace, rate, d, 98, LaneSettings(8, 0.002, queue, TIMEOUT), 1.0, table)
+    c = layout.tracks[("canary", None)]
     return len(c.err_t) / max(1, len(c.served_t))
 
 
@@ -604,10 +770,17 @@ def summarize(c: dict[str, Any], scenario: str, failure_limit: int) -> dict[str,
     }
     rb = [r for r in ro if r["outcome"] == "RolledBack"]
     promoted = [r for r in ro if r["outcome"] == "Promoted"]
+    if promoted:
+        out["mean_seconds_to_promotion"] = round(sum(r["seconds"] for r in promoted) / len(promoted), 1)
     if scenario not in GOOD and promoted:
         # Did the canary show its fault at all while it ran? (a fault that only bursts bring out
         # cannot be seen by a rollout that met no burst)
         out["promoted_worst_tally_share_mean"] = round(sum(r["worst_share_seen"] for r in promoted) / len(promoted), 4)
+    said = [r["detectable"] for r in ro if r.get("detectable") is not None]
+    if said:
+        out["detectable_p99_regression_median"] = sorted(said)[len(said) // 2]
+        # a 20% slower model: did the rollout say up front that 20% is below what it can see?
+        out["said_20pct_not_detectable"] = round(sum(x > 0.2 for x in said) / len(said), 4)
     if scenario not in GOOD and n:
         out["rolled_back_within_limit_plus_1"] = round(sum(r["analyses"] <= failure_limit + 1 for r in rb) / n, 4)
         out["mean_analyses_to_rollback"] = round(sum(r["analyses"] for r in rb) / len(rb), 2) if rb else None
@@ -615,19 +788,55 @@ def summarize(c: dict[str, Any], scenario: str, failure_limit: int) -> dict[str,
     return out
 
 
+def markdown_table(result: dict[str, Any]) -> str:
+    """The README's table: per cell, each good change's rolled-back share and each bad change's
+    caught share (rolled back), with the rollouts behind each."""
+
+    def pct(x: float | None) -> str:
+        return "-" if x is None else f"{100 * x:.0f}%"
+
+    by_cell: dict[str, dict[str, dict[str, Any]]] = {}
+    for row in result["rows"]:
+        by_cell.setdefault(row["cell"], {})[row["scenario"]] = row
+    scenarios = [s for s in SCENARIOS if any(s in v for v in by_cell.values())]
+    head = ["cell (trace/replicas/routing)", "req/s"] + [
+        f"{s} {'rolled back' if s in GOOD else 'caught'}" for s in scenarios
+    ]
+    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    for name, rows in by_cell.items():
+        first = next(iter(rows.values()))
+        cells = [name, f"{first['rate']:g}"]
+        for s in scenarios:
+            r = rows.get(s)
+            if r is None:
+                cells.append("")
+                continue
+            extra = f" ({pct(r['held'])} held)" if r.get("held") else ""
+            cells.append(f"{pct(r['rolled_back'])} of {r['rollouts']}{extra}")
+        lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--runs", type=int, default=120, help="simulated runs per (scenario) of the shipped trace")
-    p.add_argument("--runs-synthetic", type=int, default=40, help="simulated runs per (scenario) of the others")
-    p.add_argument("--traces", default="azure,poisson,onoff")
+    p.add_argument("--rollouts", type=int, default=100, help="whole rollouts per (cell, scenario)")
+    p.add_argument("--traces", default="code,conversation,poisson,onoff")
+    p.add_argument("--replicas", default="2,4")
+    p.add_argument("--routings", default=",".join(ROUTINGS))
+    p.add_argument("--tenants", choices=["off", "on", "both"], default="off", help="judge 8 tenant slices too")
     p.add_argument("--scenarios", default=",".join(SCENARIOS))
-    p.add_argument("--duration", type=float, default=300.0, help="seconds of traffic per run")
-    p.add_argument("--rate", type=float, default=None, help="mean req/s (default: calibrated per trace)")
+    p.add_argument("--duration", type=float, default=300.0, help="seconds of traffic per calibration run")
+    p.add_argument("--rate", type=float, default=None, help="mean req/s at 4 replicas (default: calibrated per trace)")
+    p.add_argument("--windows", action="store_true", help="also judge every window (the Failed-analysis share)")
     p.add_argument("--workers", type=int, default=2)
     p.add_argument("--confidence", type=float, default=None, help="rollout.confidence (default: the spec's)")
-    p.add_argument("--rules", default=",".join(RULES), help="old,new")
+    p.add_argument("--rules", default="new", help="old,new (old: the rule before the sub-window tests)")
     p.add_argument("--out", type=Path, default=None)
+    p.add_argument("--table", type=Path, default=None, help="print the markdown table of a results file (no runs)")
     args = p.parse_args()
+    if args.table:
+        print(markdown_table(json.loads(args.table.read_text())))
+        return 0
     t0 = time.time()
     if args.confidence:
         os.environ["CANARY_EVAL_CONFIDENCE"] = str(args.confidence)
@@ -635,8 +844,15 @@ def main() -> int:
     table = load_profile(PROFILE).exec_table(64, "p50")
     traces = args.traces.split(",")
     scenarios = args.scenarios.split(",")
+    tenant_modes = {"off": [False], "on": [True], "both": [False, True]}[args.tenants]
+    cells = [
+        Cell(trace, int(replicas), routing, tenants)
+        for trace in traces
+        for tenants in tenant_modes
+        for replicas in args.replicas.split(",")
+        for routing in args.routings.split(",")
+    ]
     setup: dict[str, Any] = {}
-    jobs = []
     for trace in traces:
         rate = args.rate or calibrate(trace, table)
         # slower20: the load at which the stable's p99 over the run is 85% of the SLO;
@@ -663,16 +879,30 @@ def main() -> int:
             "shed2_share": round(shed_share(trace, rate, shed_queue, table, args.duration), 4),
         }
         print(f"[{time.time() - t0:.0f}s] {trace}: {setup[trace]}", file=sys.stderr)
+    jobs = []
+    for where in cells:
+        per_pod = where.replicas / REPLICAS  # the same load per pod in every cell
         for k, scenario in enumerate(scenarios):
-            r = slow_rate if scenario == "slower20" else rate
-            runs = args.runs if trace == "azure" else args.runs_synthetic
-            jobs.append((trace, scenario, r, runs, 1000 * k, shed_queue, args.duration, table))
+            base = setup[where.trace]["slower20_rate" if scenario == "slower20" else "rate"]
+            jobs.append(
+                (
+                    where,
+                    scenario,
+                    round(base * per_pod, 1),
+                    args.rollouts,
+                    1000 * k,
+                    setup[where.trace]["shed2_queue_bound"],
+                    table,
+                    args.windows,
+                )
+            )
     rows = []
     with ProcessPoolExecutor(max_workers=args.workers) as pool:
         for res in pool.map(cell, jobs):
             for rule in res["counts"]:
                 row = {
-                    "trace": res["trace"],
+                    "cell": Cell(**res["cell"]).name,
+                    **res["cell"],
                     "scenario": res["scenario"],
                     "rate": res["rate"],
                     "rule": rule,
@@ -683,16 +913,22 @@ def main() -> int:
     result = {
         "benchmark": "canary_eval",
         "when": datetime.now(UTC).strftime("%Y-%m-%dT%H:%M:%SZ"),
+        "command": " ".join(["bench/canary_eval.py", *sys.argv[1:]]),
         "loadavg": os.getloadavg(),
         "seconds": round(time.time() - t0, 1),
         "config": {
-            "replicas": REPLICAS,
+            "calibrated_at_replicas": REPLICAS,
             "exec_profile": str(PROFILE.relative_to(ROOT)),
             "exec_noise_sigma": EXEC_SIGMA,
-            "runs_per_cell": args.runs,
-            "duration_s": args.duration,
-            "rollout": "steps 25%/20s, 50%/20s; analysisInterval 15s; failureLimit 2; minSamples 100; "
-            f"maxInconclusive 10; confidence {policy(8, 2, 512).rollout.confidence}",
+            "rollouts_per_cell": args.rollouts,
+            "rollout_seconds": ROLLOUT_SECONDS,
+            "rollout": {
+                routing: policy(8, 2, 512, cell=Cell("code", routing=routing)).rollout.model_dump(
+                    mode="json", by_alias=True, exclude_none=True
+                )
+                for routing in ROUTINGS
+            },
+            "tenants": list(TENANT_LABELS) if args.tenants != "off" else None,
         },
         "setup": setup,
         "rows": rows,
