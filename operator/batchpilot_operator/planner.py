@@ -84,6 +84,7 @@ from datetime import UTC, datetime, timedelta
 from typing import Literal
 
 from batchpilot_operator.analysis import AnalysisResult, LaneVerdict, MetricCheck, Outcome, format_value
+from batchpilot_operator.fairness import fed_alike
 from batchpilot_operator.power import LIMIT, lane_detectable_regression
 from batchpilot_operator.spec import PolicySpec
 from batchpilot_operator.status import (
@@ -707,8 +708,11 @@ class _Planner:
             return
         evidence = self.last_evidence()
         if r.step_index + 1 < len(steps):
+            left = r.step_weight
             r.step_index += 1
             r.step_weight = steps[r.step_index].weight
+            if not fed_alike(self.spec, left, r.step_weight):
+                r.evidence = {}  # a tally at another per-pod load is not like for like (fairness.py)
             r.step_entered_at = self.now
             r.step_started_at = None
             r.passed_lanes = []

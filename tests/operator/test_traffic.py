@@ -13,6 +13,7 @@ question is visible). Invariants checked at every decision of whole rollouts:
 from __future__ import annotations
 
 import copy
+import dataclasses
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -32,6 +33,7 @@ from batchpilot_operator.analysis import (
 from batchpilot_operator.fairness import (
     comparable_step_after,
     downgrade,
+    fed_alike,
     fed_weight,
     judge_load,
     per_pod_rate_query,
@@ -542,6 +544,41 @@ def test_an_underfed_first_step_is_a_smoke_test_and_a_later_fed_step_gates() -> 
     assert not any(c.type == "Stalled" and c.status == "True" for c in d.status.conditions)
     smoke = [e for e in w.events if e[1] == "CanaryUnderfed"]
     assert smoke and all("step 1 (10%)" in e[2] and "smoke test" in e[2] and "step 2 (25%)" in e[2] for e in smoke)
+
+
+def test_the_tally_does_not_carry_across_unlike_loads(monkeypatch: pytest.MonkeyPatch) -> None:
+    # 2 replicas, 10 / 25 / 50 on a route: a canary pod gets 0.22, 0.67 and 1.0 of a stable
+    # pod's rate, so each step starts a fresh tally (evidence gathered lighter would dilute the
+    # like-for-like 50% step). With the replica ratio every step feeds every pod alike.
+    s = spec()
+    assert fed_alike(s, 50, 50) and not fed_alike(s, 25, 50) and not fed_alike(s, 10, 25)
+    four = PolicySpec.model_validate({**s.model_dump(by_alias=True, mode="json"), "replicas": 4})
+    assert not fed_alike(four, 25, 50)  # 1 canary pod at 25% of 4: 1.33 of a stable pod; 4 at 50%: 1.0
+    raw = s.model_dump(by_alias=True, mode="json")
+    raw["rollout"]["trafficRouting"] = None
+    assert all(fed_alike(PolicySpec.model_validate(raw), a, b) for a in (10, 25, 50) for b in (10, 25, 50))
+
+    plain_measured = measured
+
+    def with_tally(*args: Any, **kwargs: Any) -> AnalysisResult:
+        result = plain_measured(*args, **kwargs)
+        return dataclasses.replace(result, tally={"interactive/p99Latency/canary": [[0.0, 100.0]]})
+
+    monkeypatch.setitem(globals(), "measured", with_tally)
+    w = World(s, rate=100.0)
+    w.run_until(lambda d: d.status.phase is Phase.HEALTHY)
+    w.spec = s.model_copy(update={"model": s.model.model_copy(update={"image": "img:2"})})
+    entered: list[int] = []
+    d = w.tick()
+    while d.status.rollout is not None or not entered:
+        r = d.status.rollout
+        if r is not None and (not entered or entered[-1] != r.step_index):
+            entered.append(r.step_index)
+            assert r.step_index == 0 or r.evidence == {}, (r.step_index, r.evidence)
+        elif r is not None and r.last_analysis_at is not None and r.last_analysis_at > r.step_entered_at:
+            assert r.evidence  # within a step the tally goes on
+        d = w.tick()
+    assert entered == [0, 1, 2] and d.status.history[-1].outcome == "Promoted"
 
 
 def test_underfed_with_no_fed_step_after_stalls_saying_what_to_change() -> None:
