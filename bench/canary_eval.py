@@ -41,6 +41,7 @@ Usage: .venv/bin/python bench/canary_eval.py [--runs 200] [--out bench/results/c
 from __future__ import annotations
 
 import argparse
+import bisect
 import dataclasses
 import functools
 import json
@@ -49,7 +50,7 @@ import os
 import random
 import sys
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from concurrent.futures import ProcessPoolExecutor
 from dataclasses import dataclass
 from datetime import UTC, datetime, timedelta
@@ -315,12 +316,27 @@ class Layout:
     tracks: dict[tuple[str, str | None], TrackData]
 
 
-@dataclass
 class Run:
-    """One simulated run: per step weight, its layout."""
+    """One simulated run: per step weight, its layout. Simulated lazily: up to ``horizon``
+    seconds of arrivals first, and again over twice as many whenever a rollout reads past it
+    (every random draw is per request or per pod, so the longer run repeats the shorter one
+    and only adds to it); most rollouts end long before the run's traffic does."""
 
-    layouts: dict[int, Layout]
-    duration: float
+    MARGIN = 2 * TIMEOUT
+    """Requests are answered within their timeout and a forward pass: data is complete up to
+    the horizon less this."""
+
+    def __init__(self, build: Callable[[float], dict[int, Layout]], duration: float, horizon: float | None) -> None:
+        self._build = build
+        self.duration = duration
+        self.horizon = duration if horizon is None else min(horizon, duration)
+        self.layouts = build(self.horizon)
+
+    def ensure(self, t: float) -> None:
+        """Make the data complete up to ``t``."""
+        while t > self.horizon - self.MARGIN and self.horizon < self.duration:
+            self.horizon = min(self.duration, 2 * self.horizon)
+            self.layouts = self._build(self.horizon)
 
 
 def step_layouts(spec: PolicySpec) -> dict[int, tuple[int, int, float]]:
@@ -345,38 +361,58 @@ def simulate_run(
     spec: PolicySpec,
     tenants: bool = False,
     weights: Sequence[int] | None = None,
+    horizon: float | None = None,
 ) -> Run:
     """Every request routed to one pod as ``spec`` routes it at each step (only the steps of
-    ``weights`` when given), each pod simulated with its own forward-time noise."""
-    rng = random.Random(seed)
-    labels = rng.choices(range(len(TENANT_LABELS)), weights=TENANT_WEIGHTS, k=len(arrivals)) if tenants else None
-    layouts: dict[int, Layout] = {}
-    for weight, (stable_pods, canary_pods, share) in step_layouts(spec).items():
-        if weights is not None and weight not in weights:
-            continue
-        pods: list[list[int]] = [[] for _ in range(stable_pods + canary_pods)]  # canary pods first
-        routed = spec.rollout.traffic_routing is not None
-        for i in range(len(arrivals)):
-            if routed:
-                pod = rng.randrange(canary_pods) if rng.random() < share else canary_pods + rng.randrange(stable_pods)
-            else:
-                pod = rng.randrange(len(pods))
-            pods[pod].append(i)
-        recs: dict[tuple[str, str | None], list[RequestRecord]] = {}
-        for k, part in enumerate(pods):
-            track = "canary" if k < canary_pods else "stable"
-            noise = [math.exp(rng.gauss(0, EXEC_SIGMA)) for _ in range(4096)]
-            settings = canary if track == "canary" else STABLE
-            tab = [x * (canary_scale if track == "canary" else 1.0) for x in table]
-            got = simulate_requests([arrivals[i] for i in part], settings, tab, exec_scale=noise)
-            recs.setdefault((track, None), []).extend(got)
-            if labels is not None:
-                # Records come back in answer order; the requests' tenants in arrival order.
-                ordered = sorted(got, key=lambda r: r.arrival)
-                for i, r in zip(part, ordered, strict=True):
-                    recs.setdefault((track, TENANT_LABELS[labels[i]]), []).append(r)
-        layouts[weight] = Layout(stable_pods, canary_pods, share, {k: TrackData.of(v) for k, v in recs.items()})
-    return Run(layouts, arrivals[-1] if arrivals else 0.0)
+    ``weights`` when given), each pod simulated with its own forward-time noise; lazily from
+    ``horizon`` seconds when given (:class:`Run`)."""
+    labels = (
+        random.Random(seed).choices(range(len(TENANT_LABELS)), weights=TENANT_WEIGHTS, k=len(arrivals))
+        if tenants
+        else None
+    )
+    routed = spec.rollout.traffic_routing is not None
+    splits = {weight: split for weight, split in step_layouts(spec).items() if weights is None or weight in weights}
+
+    def build(horizon: float) -> dict[int, Layout]:
+        n = bisect.bisect_left(arrivals, horizon)
+        layouts: dict[int, Layout] = {}
+        done: dict[tuple[int, int, float], Layout] = {}  # steps that split alike share one simulation
+        for weight, (stable_pods, canary_pods, share) in splits.items():
+            if (stable_pods, canary_pods, share) in done:
+                layouts[weight] = done[(stable_pods, canary_pods, share)]
+                continue
+            rng = random.Random(seed * 1000 + weight)
+            # per pod first, then per request: a longer horizon repeats these draws and adds to them
+            noises = [
+                [math.exp(rng.gauss(0, EXEC_SIGMA)) for _ in range(4096)] for _ in range(stable_pods + canary_pods)
+            ]
+            pods: list[list[int]] = [[] for _ in noises]  # canary pods first
+            for i in range(n):
+                if routed:
+                    pod = (
+                        rng.randrange(canary_pods) if rng.random() < share else canary_pods + rng.randrange(stable_pods)
+                    )
+                else:
+                    pod = rng.randrange(len(pods))
+                pods[pod].append(i)
+            recs: dict[tuple[str, str | None], list[RequestRecord]] = {}
+            for k, part in enumerate(pods):
+                track = "canary" if k < canary_pods else "stable"
+                settings = canary if track == "canary" else STABLE
+                tab = [x * (canary_scale if track == "canary" else 1.0) for x in table]
+                got = simulate_requests([arrivals[i] for i in part], settings, tab, exec_scale=noises[k])
+                recs.setdefault((track, None), []).extend(got)
+                if labels is not None:
+                    # Records come back in answer order; the requests' tenants in arrival order.
+                    ordered = sorted(got, key=lambda r: r.arrival)
+                    for i, r in zip(part, ordered, strict=True):
+                        recs.setdefault((track, TENANT_LABELS[labels[i]]), []).append(r)
+            layout = Layout(stable_pods, canary_pods, share, {k: TrackData.of(v) for k, v in recs.items()})
+            layouts[weight] = done[(stable_pods, canary_pods, share)] = layout
+        return layouts
+
+    return Run(build, arrivals[-1] if arrivals else 0.0, horizon)
 
 
 # --------------------------------------------------------------------------- verdicts
@@ -597,6 +633,7 @@ def rollout(rule: str, old: PolicySpec, new: PolicySpec, run: Run, start: float)
         if status.rollout is not None and analysis_due(spec, status, EPOCH + timedelta(seconds=now)):
             target = analysis_target(status)
             assert target is not None and target[1] is not None
+            run.ensure(now)
             analysis = analyse(
                 rule,
                 spec,
@@ -661,9 +698,10 @@ def canary_settings(scenario: str, shed_queue: int, cell: Cell) -> tuple[LaneSet
     raise ValueError(scenario)
 
 
-ROLLOUT_SECONDS = 260.0
-"""Traffic per rollout: enough for every step, a failureLimit of Failed analyses and the
-maxInconclusive limit (10 analyses of 15 s) after the first step."""
+ROLLOUT_SECONDS = 180.0
+"""Traffic per rollout (from 10 s in): every step and a failureLimit of Failed analyses fit
+several times over (a clean rollout is promoted in 45-90 s); a rollout still running at the
+end (Inconclusive analyses that neither pass nor fail it) is counted as ``unfinished``."""
 
 
 def cell(args: tuple[Cell, str, float, int, int, int, list[float], bool]) -> dict[str, Any]:
@@ -682,7 +720,16 @@ def cell(args: tuple[Cell, str, float, int, int, int, list[float], bool]) -> dic
         seed = seed0 + i
         rng = random.Random(seed)
         arrivals = make_trace(where.trace, rate, ROLLOUT_SECONDS + 10.0, rng)
-        run = simulate_run(arrivals, canary, table, scale, seed, new_spec, where.tenants)
+        run = simulate_run(
+            arrivals,
+            canary,
+            table,
+            scale,
+            seed,
+            new_spec,
+            where.tenants,
+            horizon=None if windows else 20.0 + 35.0 * len(new_spec.rollout.steps),  # a clean rollout's time
+        )
         for rule in counts:
             c = counts[rule]
             if windows:
@@ -767,6 +814,7 @@ def summarize(c: dict[str, Any], scenario: str, failure_limit: int) -> dict[str,
         "rolled_back": share("RolledBack"),
         "promoted": share("Promoted"),
         "held": share("Held"),
+        "unfinished": share("running"),
     }
     rb = [r for r in ro if r["outcome"] == "RolledBack"]
     promoted = [r for r in ro if r["outcome"] == "Promoted"]
