@@ -45,12 +45,14 @@ traffic here (it can feed a canary its weight does not).
 from __future__ import annotations
 
 import dataclasses
+import math
 from collections.abc import Callable
 from datetime import datetime
 
 from batchpilot_operator import traffic
 from batchpilot_operator.analysis import (
     REQUESTS_METRIC,
+    TALLY_ANALYSES,
     AnalysisResult,
     LaneVerdict,
     MetricsBackend,
@@ -106,6 +108,23 @@ def fed_alike(spec: PolicySpec, weight: int, other: int) -> bool:
     a = planned_load_ratio(spec.replicas, weight)
     b = planned_load_ratio(spec.replicas, other)
     return min(a, b) > 0 and max(a, b) / min(a, b) <= ALIKE_LOAD_SPREAD
+
+
+def gating_analyses(spec: PolicySpec) -> int:
+    """How many analyses the tally that promotes a canary can hold: those of the final run of
+    steps fed alike (the last step and the steps just before it that feed the canary as it
+    does; :func:`fed_alike`), each step at least ``ceil(pause / analysisInterval)`` of them,
+    at most :data:`analysis.TALLY_ANALYSES`. What the gate can see (``power``) is judged on this
+    many analyses: a short like-for-like last step sees less than a full tally would."""
+    steps = spec.rollout.steps
+    interval = spec.rollout.analysis_interval
+    last = steps[-1].weight
+    count = 0
+    for step in reversed(steps):
+        if not fed_alike(spec, step.weight, last):
+            break
+        count += max(1, math.ceil(step.pause / interval - 1e-9))
+    return max(1, min(TALLY_ANALYSES, count))
 
 
 def fed_weight(replicas: int, min_ratio: float) -> int:

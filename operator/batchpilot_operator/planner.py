@@ -84,7 +84,7 @@ from datetime import UTC, datetime, timedelta
 from typing import Literal
 
 from batchpilot_operator.analysis import AnalysisResult, LaneVerdict, MetricCheck, Outcome, format_value
-from batchpilot_operator.fairness import fed_alike
+from batchpilot_operator.fairness import fed_alike, gating_analyses
 from batchpilot_operator.power import LIMIT, lane_detectable_regression
 from batchpilot_operator.spec import PolicySpec
 from batchpilot_operator.status import (
@@ -691,7 +691,7 @@ class _Planner:
                     rejected=_val(rej),
                     stable_rejected=_val(srej),
                     tenants=[_tenant_summary(sl) for sl in lane.slices] or None,
-                    **_detectable(lat, slat, self.spec.rollout.confidence),
+                    **_detectable(lat, slat, self.spec.rollout.confidence, gating_analyses(self.spec)),
                 )
             )
         self.st.last_analysis = AnalysisSummary(
@@ -1124,9 +1124,12 @@ def _val(check: MetricCheck | None) -> float | None:
     return None if check is None else _json_float(check.value)
 
 
-def _detectable(canary: MetricCheck | None, stable: MetricCheck | None, confidence: float) -> dict[str, object]:
-    """The LaneSummary fields saying what the gate can see at this window's traffic (``power``)."""
-    found = lane_detectable_regression(canary, stable, confidence) if canary is not None else None
+def _detectable(
+    canary: MetricCheck | None, stable: MetricCheck | None, confidence: float, analyses: int
+) -> dict[str, object]:
+    """The LaneSummary fields saying what the gate can see at this window's traffic (``power``)
+    over the ``analyses`` windows the rollout's promoting tally can hold."""
+    found = lane_detectable_regression(canary, stable, confidence, analyses) if canary is not None else None
     if found is None:
         return {}
     if math.isinf(found):

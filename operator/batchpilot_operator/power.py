@@ -10,8 +10,9 @@ counts the regression would produce:
   the safe side). The canary's share of requests over the SLO is then the stable's share over
   ``SLO / f``, read from the stable's latency histogram of the window (the runtime's buckets,
   interpolated inside a bucket as ``histogram_quantile`` does).
-* Over a full tally (:data:`analysis.TALLY_ANALYSES` analyses at this window's traffic, the
-  canary's and the stable's requests each), the regression is detected when the expected
+* Over the tally that can promote the canary (the analyses its last like-for-like steps
+  gather, at most :data:`analysis.TALLY_ANALYSES`, at this window's traffic, the canary's and
+  the stable's requests each: ``fairness.gating_analyses``), the regression is detected when the expected
   counts fail the canary: its share over the budget (1%), worse than the stable's by Fisher's
   one-sided test with ``rollout.confidence``, and at least :data:`analysis.SHARED_BREACH_RATIO`
   times the stable's share when the stable breaches too.
@@ -101,17 +102,21 @@ def detectable_regression(
     return round(math.ceil(round((hi - 1.0) / PRECISION, 6)) * PRECISION, 2)  # up: at X itself the rule fails
 
 
-def lane_detectable_regression(canary: MetricCheck, stable: MetricCheck | None, confidence: float) -> float | None:
+def lane_detectable_regression(
+    canary: MetricCheck, stable: MetricCheck | None, confidence: float, analyses: int = TALLY_ANALYSES
+) -> float | None:
     """:func:`detectable_regression` of a lane's p99 objective from this window's checks, over
-    a full tally at this window's traffic; None when the window cannot tell (no stable
-    histogram, no requests on either track)."""
+    a tally of ``analyses`` windows at this window's traffic (a full tally by default; the
+    planner passes what the rollout's last like-for-like steps can gather,
+    ``fairness.gating_analyses``); None when the window cannot tell (no stable histogram, no
+    requests on either track)."""
     if stable is None or not stable.buckets or not canary.samples or not stable.samples:
         return None
     return detectable_regression(
         stable.buckets,
         stable.threshold,
-        canary_requests=canary.samples * TALLY_ANALYSES,
-        stable_requests=stable.samples * TALLY_ANALYSES,
+        canary_requests=canary.samples * analyses,
+        stable_requests=stable.samples * analyses,
         confidence=confidence,
         budget=stable.budget,
     )

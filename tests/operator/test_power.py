@@ -3,13 +3,16 @@ against the verdict itself (``analysis.judge``) on the counts that regression wo
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import random
 
 import pytest
 
-from batchpilot_operator.analysis import P99_BUDGET, MetricCheck, Outcome, judge
-from batchpilot_operator.power import LIMIT, detectable_regression, detects
+from batchpilot_operator.analysis import P99_BUDGET, TALLY_ANALYSES, MetricCheck, Outcome, judge
+from batchpilot_operator.fairness import gating_analyses
+from batchpilot_operator.power import LIMIT, detectable_regression, detects, lane_detectable_regression
+from batchpilot_operator.spec import PolicySpec
 from batchpilot_operator.stats import count_above
 from batchpilot_runtime.metrics import LATENCY_BUCKETS
 
@@ -96,3 +99,50 @@ def test_a_canary_already_breaching_at_no_regression_reads_zero() -> None:
     x = detectable_regression(buckets, SLO, canary_requests=2000, stable_requests=2000, confidence=0.95, budget=0.01)
     assert x > 0
     assert verdict_at(buckets, 1.0, 2000, 2000) is not Outcome.FAILED
+
+
+def _rollout_spec(replicas: int, steps: list[tuple[int, str]], interval: str, routed: bool) -> PolicySpec:
+    rollout: dict[str, object] = {
+        "steps": [{"weight": w, "pause": p} for w, p in steps],
+        "analysisInterval": interval,
+    }
+    if routed:
+        rollout["trafficRouting"] = {"gatewayAPI": {"httpRoute": "r"}}
+    return PolicySpec.model_validate(
+        {
+            "model": {"name": "m", "image": "img:1", "source": "builtin:mlp"},
+            "replicas": replicas,
+            "lanes": [
+                {
+                    "name": "interactive",
+                    "maxBatchSize": 8,
+                    "maxQueueDelay": "2ms",
+                    "maxQueueLength": 64,
+                    "requestTimeout": "1s",
+                }
+            ],
+            "slo": {"p99Latency": "120ms", "maxQueueAge": "60ms"},
+            "rollout": rollout,
+        }
+    )
+
+
+def test_the_gate_sees_what_its_last_like_for_like_steps_gather() -> None:
+    # The demo's clocks (steps of 20 s, an analysis every 15 s): with the replica ratio every
+    # step feeds the canary alike and the promoting tally is full (2 + 2 analyses); on a route
+    # with 2 replicas only the 50% step compares like with like (10% and 25% feed a canary pod
+    # 0.22 and 0.67 of a stable pod's rate), 2 analyses. The shipped example's 5-minute pauses
+    # fill a tally within its last step.
+    demo = [(25, "20s"), (50, "20s")]
+    shipped = [(10, "5m"), (25, "5m"), (50, "5m")]
+    assert gating_analyses(_rollout_spec(4, demo, "15s", routed=False)) == TALLY_ANALYSES
+    assert gating_analyses(_rollout_spec(2, [(10, "20s"), (25, "20s"), (50, "20s")], "15s", routed=True)) == 2
+    assert gating_analyses(_rollout_spec(2, shipped, "30s", routed=True)) == TALLY_ANALYSES
+    assert gating_analyses(_rollout_spec(4, [(50, "0s")], "15s", routed=True)) == 1
+    # and fewer analyses see only larger regressions: the status says what this rollout can see
+    near = lognormal(0.04, 0.5)
+    stable = check("stable", count_above(near, SLO) / near[-1][1] * 300, 300)
+    stable = dataclasses.replace(stable, buckets=near)
+    canary = check("canary", 0, 300)
+    one, full = (lane_detectable_regression(canary, stable, 0.95, n) for n in (1, TALLY_ANALYSES))
+    assert one is not None and full is not None and one > full
