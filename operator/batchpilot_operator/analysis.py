@@ -37,8 +37,11 @@ track's over the same sub-windows:
 * fewer canary requests than ``minSamples`` in this window (or no data) -> ``Inconclusive``:
   thin traffic never fails a canary by itself;
 * the tally's bad share within its budget -> ``Successful``;
-* the tally breaches and the canary is worse than the stable with at least
-  ``rollout.confidence`` -> ``Failed``; when the stable's tally breaches too (a burst or an
+* the tally breaches, over its budget with at least ``rollout.confidence``, and the canary is
+  worse than the stable with at least that confidence -> ``Failed`` (both halves are tested,
+  each at the confidence: an intersection-union test, whose level is that confidence; a point
+  estimate just over the budget rolled back 4% of simulated A/A rollouts on on/off traffic,
+  ``bench/canary_eval.py``); when the stable's tally breaches too (a burst or an
   overload both tracks see), the canary must also be at least :data:`SHARED_BREACH_RATIO`
   times as bad as the stable (an effect size, like Kayenta's allowed increase). Without a
   usable stable (no stable track, its queries erroring, or fewer than ``minSamples`` stable
@@ -716,6 +719,10 @@ def judge(
             f"the stable track breaches too ({format_share(stable_share)}): the canary is worse, but not "
             f"{SHARED_BREACH_RATIO:g}x as bad, as a bad change would be in a burst or overload both tracks see"
         )
+    elif over < confidence:
+        # Both halves of the rule are tested (an intersection-union test: each at the
+        # confidence, so the pair is too): worse than the stable, and over the budget.
+        note = f"worse than the stable track, but not clearly over its {format_share(canary.budget)} budget ({needs})"
     return dataclasses.replace(
         canary,
         outcome=Outcome.FAILED if note is None else Outcome.INCONCLUSIVE,

@@ -31,7 +31,7 @@ import math
 from collections.abc import Sequence
 
 from batchpilot_operator.analysis import SHARED_BREACH_RATIO, TALLY_ANALYSES, MetricCheck
-from batchpilot_operator.stats import count_above, fisher_greater
+from batchpilot_operator.stats import binomial_sf, count_above, fisher_greater
 
 LIMIT = 9.0
 """The largest regression looked for (10x the stable's latency): beyond it, "not detectable"."""
@@ -55,8 +55,8 @@ def detects(
         return False
     p_stable = count_above(buckets, slo) / total
     p_canary = count_above(buckets, slo / factor) / total
-    if p_canary <= budget:
-        return False
+    if p_canary <= budget or 1.0 - binomial_sf(p_canary * canary_requests, canary_requests, budget) < confidence:
+        return False  # over the budget with the confidence, as the verdict requires
     if p_stable > budget and p_canary < SHARED_BREACH_RATIO * p_stable:
         return False
     worse = 1.0 - fisher_greater(
