@@ -1,41 +1,44 @@
-"""Operating characteristics of the canary verdict: the old rule and the new, side by side.
+"""Operating characteristics of the canary verdict: whole rollouts per cell, offline.
 
-Thousands of canary analyses and whole rollouts, offline. Per-request latencies, queue ages
-and outcomes come from the tuner's batcher simulator (``tune.simulator.simulate_requests``,
-the exact engine of ``batchpilot tune``) fed with an arrival trace and random routing of each
-request over the policy's 4 pods (1 canary pod at the 25% step, 2 at 50%), with lognormal
-noise on every forward time. A simulated Prometheus (:class:`SimPrometheus`) answers the
-analysis' own queries from those requests at any instant (the runtime's histogram buckets,
-``histogram_quantile``, request counts by outcome, raw counters at sub-window boundaries),
-and the real ``analysis.run_analysis`` judges (the old rule judges the same window's
-measurements); whole rollouts run the real planner
-(``planner.plan``) on the demo's rollout block (steps 25%/20s and 50%/20s, analysis every
-15s, failureLimit 2, minSamples 100, maxInconclusive 10), from a random start.
+Per-request latencies, queue ages and outcomes come from the tuner's batcher simulator
+(``tune.simulator.simulate_requests``: the runtime's batching rule) fed with an arrival trace,
+each request routed to one pod as the policy routes it at each step (the planner's own
+``split_for``: with the replica ratio every pod gets an equal share; with exact gateway
+weights the canary's pods share the step's weight), with lognormal noise on every forward
+time. A simulated Prometheus (:class:`SimPrometheus`) answers the analysis' own queries from
+those requests at any instant (the runtime's histogram buckets, ``histogram_quantile``,
+request counts by outcome, raw counters at sub-window boundaries, per-tenant slices, the
+per-pod rates of the load check), the real ``analysis.run_analysis`` judges (and, under a
+route, ``fairness.judge_load`` as the controller does), and whole rollouts run the real
+planner (``planner.plan``) from a random start into the trace.
 
-Traces: ``azure`` (the shipped production trace, ../shared/traces, CC-BY 4.0: Patel et al.,
-Splitwise, ISCA 2024; rotated at a random offset per run), ``poisson`` (exponential gaps) and
-``onoff`` (an on/off burst process: ON periods of mean 2 s at 8x the rate of OFF periods of mean
-8 s), all time-scaled to the same mean rate.
+Cells (:class:`Cell`): traces ``code`` (the shipped production trace of code completions,
+../shared/traces, CC-BY 4.0: Patel et al., Splitwise, ISCA 2024; rotated at a random offset),
+``conversation`` (the long-prompt chat trace, its 3 s buckets spread uniformly, seed 0, as its
+README asks), ``poisson`` and ``onoff`` (ON periods of mean 2 s at 8x the rate of OFF periods of
+mean 8 s), all time-scaled to a rate; replicas 2 or 4; routing ``ratio`` (the demo's rollout
+block: steps 25%/20s and 50%/20s, analysis every 15s, failureLimit 2, minSamples 100,
+maxInconclusive 10) or ``gateway`` (the same clocks, steps 10/25/50 and
+``minCanaryLoadRatio`` 0.5, as the shipped example); optionally 8 declared tenants plus
+``other`` (Zipf shares), each slice judged too.
 
 Scenarios (stable: 8-row batches, 2 ms window, queue bound 512, SLO p99 120 ms, queue age 60 ms,
-errors 1%):
-``aa`` the canary is the stable; ``good`` the demo's good change (16 rows, 5 ms);
-``bad`` the demo's bad change (64 rows, 110 ms window); ``slower20`` a model 20% slower (every
-forward time x1.2) at the load where the stable's p99 over the whole run is 85% of the SLO (the
-stable meets it with margin; whether the slower model breaks it is in ``setup``); ``shed2`` a
-queue bound that sheds about 2% of requests over the run (error budget 1%).
+errors 1%): ``aa`` the canary is the stable under a new tag; ``faster`` a model 1.5x faster;
+``good`` the demo's good change (16 rows, 5 ms); ``bad`` the demo's bad change (64 rows, 110 ms
+window); ``slower20`` a model 20% slower (every forward time x1.2) at the load where the
+stable's p99 over the whole run is 85% of the SLO; ``shed2`` a queue bound that sheds about 2%
+of requests (error budget 1%).
 
-Load: ``--rate`` (default: per trace, the rate at which 10% of the stable's 15 s windows breach
-the p99 latency or queue-age SLO by the point estimate: bursts that both tracks see, where false
-rollbacks happen); ``slower20`` runs at its own rate (bisected up to 3x that).
+Load: per trace, calibrated at 4 replicas (the rate at which 10% of the stable's 15 s windows
+breach the p99 latency or queue-age SLO by the point estimate: bursts that both tracks see,
+where false rollbacks happen); a cell with 2 replicas runs the same load per pod.
 
-Reported per (trace, scenario, rule): the share of Failed analyses over all windows, the share
-of rollouts rolled back / promoted / held (Stalled), and for bad changes the share rolled back
-within failureLimit + 1 analyses, the mean number of analyses until rollback, and for the bad
-rollouts that were promoted the worst bad share the canary showed while it ran (0: the
-rollout never met the burst that brings its fault out).
+Reported per (cell, scenario): the share of rollouts rolled back / promoted / held (Stalled) /
+unfinished within :data:`ROLLOUT_SECONDS`, for bad changes the analyses until rollback, and what
+the first analysis said the gate can see (``detectableP99Regression``; the share of rollouts
+that said up front a 20% regression is out of reach).
 
-Usage: .venv/bin/python bench/canary_eval.py [--runs 200] [--out bench/results/canary_eval.json]
+Usage: .venv/bin/python bench/canary_eval.py [--rollouts 100] [--out F]; --table F for the README
 """
 
 from __future__ import annotations
