@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # The local real node's parts beside the kubelet (which hack/k8s/build.sh builds with the control
 # plane, from the same pinned k8s.io/kubernetes), into a git-ignored cache:
-#   containerd and runc (Debian packages, apt-get install when missing);
+#   containerd and runc (Debian packages, apt-get install when missing; with buildah, podman and
+#   mmdebstrap, which build the images the node runs);
 #   the CNI plugins bridge, host-local and loopback (github.com/containernetworking/plugins,
 #   pinned below; go install through the module proxy) in .cache/node-bin/cni;
 #   the sandbox (pause) binary from hack/node/pause (static Go) in .cache/node-bin/pause.
@@ -12,8 +13,9 @@ set -euo pipefail
 here=$(cd "$(dirname "$0")" && pwd)
 CNI_VERSION=v1.6.2
 out=${BATCHPILOT_NODE_BIN:-$here/../../.cache/node-bin}
+# buildah, podman and mmdebstrap: `make images` (hack/images.sh), whose images the node runs.
 need=()
-for tool in containerd runc; do command -v "$tool" >/dev/null || need+=("$tool"); done
+for tool in containerd runc buildah podman mmdebstrap; do command -v "$tool" >/dev/null || need+=("$tool"); done
 if ((${#need[@]})); then
   echo ">> apt-get install ${need[*]}"
   sudo_=""; [[ $(id -u) == 0 ]] || sudo_=sudo

@@ -41,13 +41,15 @@ import shutil
 import signal
 import subprocess
 import tempfile
+import threading
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from types import TracebackType
-from typing import IO
+from typing import IO, Any
 
+from batchpilot_operator.children import LABEL_POLICY, LABEL_REVISION, LABEL_TRACK, RUNTIME_PORT
 from batchpilot_operator.localdev import free_port, podnet
 from batchpilot_operator.localdev.cluster import REPO_ROOT, bin_dir
 
@@ -94,9 +96,10 @@ def _images_env() -> dict[str, str]:
 
 
 def ensure_node_binaries() -> None:
-    """containerd, runc (apt), the CNI plugins and the pause binary (``hack/node/build.sh``), and
-    the kubelet (``hack/k8s/build.sh``, with the control plane); cheap when up to date."""
-    for script in ("k8s/build.sh", "node/build.sh"):
+    """containerd, runc (apt), the CNI plugins and the pause binary (``hack/node/build.sh``), the
+    kubelet (``hack/k8s/build.sh``, with the control plane) and upstream Prometheus
+    (``hack/prometheus/build.sh``: Debian's has no Kubernetes service discovery); cheap when up to date."""
+    for script in ("k8s/build.sh", "node/build.sh", "prometheus/build.sh"):
         result = subprocess.run(["bash", str(REPO_ROOT / "hack" / script)], check=False)
         if result.returncode != 0:
             raise RealNodeError(f"hack/{script} exited {result.returncode}")
@@ -108,16 +111,44 @@ def ensure_node_binaries() -> None:
         raise RealNodeError(f"real node parts missing after the builds: {missing}")
 
 
+def image_sources(kind: str) -> str:
+    """The hash of the sources of the ``operator`` or ``runtime`` image (``hack/images/source-hash.sh``)."""
+    return _run(["bash", str(REPO_ROOT / "hack" / "images" / "source-hash.sh"), kind]).stdout.strip()
+
+
+def stale_images(images: Sequence[str]) -> list[str]:
+    """Those of ``images`` (the operator's and the runtime's of ``make images``) that podman
+    lacks or built from other sources (their ``dev.batchpilot.source`` label, set by
+    ``hack/images.sh``, names another hash)."""
+    if shutil.which("podman") is None:
+        return list(images)
+    stale = []
+    for image in images:
+        kind = {RUNTIME_IMAGE: "runtime", OPERATOR_IMAGE: "operator"}.get(image)
+        if kind is None:
+            raise RealNodeError(f"{image} is none of the images of make images ({RUNTIME_IMAGE}, {OPERATOR_IMAGE})")
+        label = _run(
+            [*PODMAN, "image", "inspect", "--format", '{{index .Labels "dev.batchpilot.source"}}', image],
+            check=False,
+            env=_images_env(),
+        ).stdout.strip()
+        if label.split(" ", 1)[0] != image_sources(kind):
+            stale.append(image)
+    return stale
+
+
 def ensure_images(images: Sequence[str]) -> None:
-    """Build the images of ``make images`` (``hack/images.sh``) when podman lacks one of them."""
-    if not images:
-        return
-    if shutil.which("podman") is None or any(
-        _run([*PODMAN, "image", "exists", image], check=False, env=_images_env()).returncode != 0 for image in images
-    ):
+    """Build the images of ``make images`` (``hack/images.sh``, which rebuilds only what is
+    stale) when podman lacks one of ``images`` or has it from other sources: the real node runs
+    the code of the working tree, never an old image."""
+    stale = stale_images(images)
+    if stale:
         result = subprocess.run(["bash", str(REPO_ROOT / "hack" / "images.sh")], check=False, env=_images_env())
         if result.returncode != 0:
-            raise RealNodeError(f"hack/images.sh exited {result.returncode}")
+            raise RealNodeError(f"hack/images.sh exited {result.returncode} (building {', '.join(stale)})")
+        still = stale_images(images)
+        if still:
+            raise RealNodeError(f"hack/images.sh left these images stale: {', '.join(still)}")
 
 
 def containerd_config(state: Path, socket: Path, cni_conf: Path) -> str:
@@ -563,3 +594,64 @@ class RealNode:
         self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
     ) -> None:
         self.stop()
+
+
+@dataclass(frozen=True)
+class PodEndpoint:
+    """A ready runtime pod on the node: where a :class:`~batchpilot_operator.localdev.load.TraceReplay`
+    sends a request (its ``Endpoint``), at the pod's own address on the bridge."""
+
+    pod: str
+    ip: str
+    revision: str
+    track: str
+
+    @property
+    def url(self) -> str:
+        return f"http://{self.ip}:{RUNTIME_PORT}"
+
+
+class PodEndpoints:
+    """The ready, not terminating pods of one policy, re-read from the apiserver every ``period``
+    seconds in a thread (what the policy's Service would route to; there is no kube-proxy here).
+    Call it for the current list."""
+
+    def __init__(self, kubeconfig: Path, namespace: str, policy: str, period: float = 0.5) -> None:
+        from kubernetes import client, config
+
+        self.core = client.CoreV1Api(config.new_client_from_config(config_file=str(kubeconfig)))  # type: ignore[no-untyped-call]
+        self.namespace, self.policy, self.period = namespace, policy, period
+        self._current: list[PodEndpoint] = []
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name=f"endpoints-{policy}", daemon=True)
+
+    def start(self) -> PodEndpoints:
+        self.refresh()
+        self._thread.start()
+        return self
+
+    def stop(self) -> None:
+        self._stop.set()
+        if self._thread.is_alive():
+            self._thread.join(timeout=10)
+
+    def __call__(self) -> list[PodEndpoint]:
+        return self._current
+
+    def refresh(self) -> None:
+        resp: Any = self.core.list_namespaced_pod(  # raw: the JSON, untyped
+            self.namespace, label_selector=f"{LABEL_POLICY}={self.policy}", _preload_content=False
+        )
+        found = []
+        for pod in json.loads(resp.data)["items"]:
+            meta, status = pod["metadata"], pod.get("status") or {}
+            ready = any(c["type"] == "Ready" and c["status"] == "True" for c in status.get("conditions") or [])
+            if ready and status.get("podIP") and not meta.get("deletionTimestamp"):
+                labels = meta.get("labels") or {}
+                found.append(PodEndpoint(meta["name"], status["podIP"], labels[LABEL_REVISION], labels[LABEL_TRACK]))
+        self._current = found
+
+    def _run(self) -> None:
+        while not self._stop.wait(self.period):
+            with contextlib.suppress(Exception):  # the apiserver restarting: keep the last list
+                self.refresh()
