@@ -64,8 +64,12 @@ CGROUP_ROOT = "batchpilot-node"
 CGROUP_FS = Path("/sys/fs/cgroup")
 NETNS_DIR = Path("/var/run/netns")
 LOCK_FILE = Path("/run/batchpilot-realnode.lock")
+HOST_SYSCTLS = ("vm/overcommit_memory", "kernel/panic", "kernel/panic_on_oops", "net/ipv4/ip_forward")
+"""What the kubelet (the first three) and the bridge plugin (forwarding) set on the host: put back on stop."""
 NODE_BIN = Path(os.environ.get("BATCHPILOT_NODE_BIN", REPO_ROOT / ".cache" / "node-bin"))
 CONTAINERD_ROOT = Path(os.environ.get("BATCHPILOT_CONTAINERD_ROOT", REPO_ROOT / ".cache" / "node" / "containerd"))
+IMPORTED = CONTAINERD_ROOT.parent / "imported.json"
+"""podman's image ID of each image last imported into containerd's root."""
 CONTAINERS_CONF = REPO_ROOT / "hack" / "images" / "containers.conf"
 PODMAN = ["podman", "--storage-driver", "vfs", "--runtime", "runc"]
 BUILDAH = ["buildah", "--storage-driver", "vfs"]
@@ -319,6 +323,8 @@ class RealNode:
     netns_before: set[str] = field(default_factory=set)
     lock: IO[str] | None = None
     started_in: float = 0.0
+    sysctls: dict[str, str] = field(default_factory=dict)
+    """The host's :data:`HOST_SYSCTLS` before the node started."""
     imported: dict[str, float] = field(default_factory=dict)
     """Seconds each image's import into containerd took this start (absent: it was there already)."""
 
@@ -362,6 +368,7 @@ class RealNode:
         )
         try:
             node._cleanup_host()  # what a run that died left: bridge, cgroups
+            node.sysctls = {k: (Path("/proc/sys") / k).read_text().strip() for k in HOST_SYSCTLS}
             node.netns_before = _netns_set()
             node._setup_host()
             node._start_containerd()
@@ -440,10 +447,15 @@ class RealNode:
         return ref in self.ctr("images", "ls", "-q").split()
 
     def import_image(self, image: str) -> None:
-        """Copy ``image`` from podman's store into containerd, unless containerd has that very
-        image (podman's image ID, the config digest, is also a name containerd gives it)."""
+        """Copy ``image`` from podman's store into containerd, unless containerd has the very
+        image podman has (podman's image ID, recorded in :data:`IMPORTED` at its import: the
+        docker archive gives the image another config digest in containerd)."""
         image_id = _run([*PODMAN, "image", "inspect", "--format", "{{.Id}}", image], env=_images_env()).stdout.strip()
-        if self.has_image(image) and self.has_image(f"sha256:{image_id}"):
+        try:
+            imported = json.loads(IMPORTED.read_text())
+        except (OSError, ValueError):
+            imported = {}
+        if imported.get(image) == image_id and self.has_image(image):
             return
         t0 = time.monotonic()
         with tempfile.TemporaryFile() as archive:
@@ -454,6 +466,8 @@ class RealNode:
                 raise RealNodeError(f"podman save {image}: {save.stderr.decode()[-2000:]}")
             archive.seek(0)
             self.ctr("images", "import", "-", input_file=archive)
+        imported[image] = image_id
+        IMPORTED.write_text(json.dumps(imported, indent=1))
         self.imported[image] = time.monotonic() - t0
 
     def _import_pause(self) -> None:
@@ -578,6 +592,11 @@ class RealNode:
                 with contextlib.suppress(OSError):
                     (NETNS_DIR / name).unlink()
         problems += self._cleanup_host()
+        for key, value in self.sysctls.items():
+            try:
+                (Path("/proc/sys") / key).write_text(value)
+            except OSError as exc:
+                problems.append(f"sysctl {key}={value}: {exc}")
         shutil.rmtree(self.state, ignore_errors=True)
         if problems:
             with contextlib.suppress(OSError):
