@@ -3,7 +3,8 @@
 ``kube`` is overridden here: a control plane of its own with no kwok node at all, and beside it
 the real node of ``localdev/realnode.py`` (its only node, ``bp-node-0``, with 4
 ``nvidia.com/gpu``), so that every pod of these tests is run by a real kubelet from the image
-``make images`` built. Needs root (network namespaces, a bridge, cgroups): a machine where it
+``make images`` built. One per test module (~12 s with the images cached), so that a module can
+also start a node of its own (``batchpilot up --real-node``): a machine holds one at a time. Needs root (network namespaces, a bridge, cgroups): a machine where it
 cannot start fails these tests with the reason, it never skips them.
 """
 
@@ -24,7 +25,7 @@ SERVICE_CIDR = "198.19.0.0/16"
 """The project's own range (198.18.0.0/15): pods on 198.18.0.0/24, Service IPs here."""
 
 
-@pytest.fixture(scope="session")
+@pytest.fixture(scope="module")
 def real_node(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[LocalCluster, RealNode]]:
     if os.geteuid() != 0:
         pytest.fail("the real node needs root: a bridge, network namespaces and cgroups")
@@ -41,13 +42,13 @@ def real_node(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[LocalC
             yield cluster, node
         finally:
             problems = node.stop()
-            if problems:
-                sys.stderr.write(f"\n[batchpilot] real node clean-up left: {problems}\n")
+            if problems:  # an error of the module's last test: the machine was left dirty
+                pytest.fail(f"real node clean-up left: {problems}")
     finally:
         cluster.stop()
 
 
-@pytest.fixture(scope="session")
+@pytest.fixture(scope="module")
 def kube(real_node: tuple[LocalCluster, RealNode]) -> Kube:
     cluster, _ = real_node
     kube = Kube(cluster.kubeconfig, str(cluster.bin_dir / "kubectl"), external=False)

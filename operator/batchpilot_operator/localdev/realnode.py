@@ -63,11 +63,14 @@ PAUSE_IMAGE = "localhost/batchpilot/pause:3.10"
 CGROUP_ROOT = "batchpilot-node"
 CGROUP_FS = Path("/sys/fs/cgroup")
 NETNS_DIR = Path("/var/run/netns")
+CONTAINER_LOG_LINKS = Path("/var/log/containers")
 LOCK_FILE = Path("/run/batchpilot-realnode.lock")
 HOST_SYSCTLS = ("vm/overcommit_memory", "kernel/panic", "kernel/panic_on_oops", "net/ipv4/ip_forward")
 """What the kubelet (the first three) and the bridge plugin (forwarding) set on the host: put back on stop."""
 NODE_BIN = Path(os.environ.get("BATCHPILOT_NODE_BIN", REPO_ROOT / ".cache" / "node-bin"))
 CONTAINERD_ROOT = Path(os.environ.get("BATCHPILOT_CONTAINERD_ROOT", REPO_ROOT / ".cache" / "node" / "containerd"))
+ALIASES = CONTAINERD_ROOT.parent / "aliases.json"
+"""Second names given to images (:meth:`RealNode.alias`), to remove."""
 IMPORTED = CONTAINERD_ROOT.parent / "imported.json"
 """podman's image ID of each image last imported into containerd's root."""
 CONTAINERS_CONF = REPO_ROOT / "hack" / "images" / "containers.conf"
@@ -429,8 +432,10 @@ class RealNode:
         config.write_text(containerd_config(self.state / "containerd", self.socket, self.workdir / "net.d"))
         self._spawn("containerd", ["containerd", "--config", str(config)])
         self.wait_for(lambda: self.ctr("version", check=False) != "", 30, "containerd's socket")
-        # Containers a killed run left in containerd's (kept) metadata: gone before the kubelet starts.
+        # Containers a killed run left in containerd's (kept) metadata: gone before the kubelet
+        # starts; so are the second names it gave images.
         self._remove_containers()
+        self._remove_aliases()
 
     def _remove_containers(self) -> None:
         for task in self.ctr("tasks", "ls", "-q", check=False).split():
@@ -469,6 +474,27 @@ class RealNode:
         imported[image] = image_id
         IMPORTED.write_text(json.dumps(imported, indent=1))
         self.imported[image] = time.monotonic() - t0
+
+    def alias(self, image: str, name: str) -> None:
+        """Give ``image`` a second name in containerd (what a manifest names, e.g. the registry's)
+        while this node runs: removed on stop (and at the next start, after a crash), since the
+        kubelet reports a container's image by the first of its names."""
+        aliases = self._aliases()
+        ALIASES.write_text(json.dumps(sorted({*aliases, name})))
+        self.ctr("images", "tag", "--force", image, name)
+
+    def _aliases(self) -> list[str]:
+        try:
+            names: list[str] = json.loads(ALIASES.read_text())
+        except (OSError, ValueError):
+            return []
+        return names
+
+    def _remove_aliases(self) -> None:
+        aliases = self._aliases()
+        if aliases:
+            self.ctr("images", "rm", *aliases, check=False)
+        ALIASES.unlink(missing_ok=True)
 
     def _import_pause(self) -> None:
         if self.has_image(PAUSE_IMAGE):
@@ -575,6 +601,7 @@ class RealNode:
         if self.processes.get("containerd") is not None:
             try:
                 self._remove_containers()
+                self._remove_aliases()
             except (RealNodeError, OSError, subprocess.SubprocessError) as exc:
                 problems.append(f"removing containers: {exc}")
         self._stop_process("containerd")
@@ -592,6 +619,11 @@ class RealNode:
                 with contextlib.suppress(OSError):
                     (NETNS_DIR / name).unlink()
         problems += self._cleanup_host()
+        # The kubelet links each container's log into /var/log/containers (a fixed path).
+        if CONTAINER_LOG_LINKS.exists():
+            for link in CONTAINER_LOG_LINKS.iterdir():
+                if link.is_symlink() and os.readlink(link).startswith(f"{self.workdir}/"):
+                    link.unlink(missing_ok=True)
         for key, value in self.sysctls.items():
             try:
                 (Path("/proc/sys") / key).write_text(value)
