@@ -51,10 +51,19 @@ ca=${BUILD_CA_BUNDLE:-${PIP_CERT:-/etc/ssl/certs/ca-certificates.crt}}
 if [[ -r "$ca" ]]; then
   ca_args=(--volume "$ca:/run/build-ca.crt:ro" --build-arg PIP_CERT=/run/build-ca.crt)
 fi
+# Each image is labelled with the hash of its sources (hack/images/source-hash.sh) and its build
+# arguments, and rebuilt only when they changed (FORCE=1 rebuilds anyway).
 build() {  # IMAGE DOCKERFILE [BUILD-ARG...]
   local image=$1 file=$2; shift 2
+  local source
+  source="$(bash hack/images/source-hash.sh "$(basename "$(dirname "$file")")")${*:+ $*}"
+  local label="dev.batchpilot.source=$source"
+  if [[ -z "${FORCE:-}" && "$("${BUILDAH[@]}" inspect --type image --format '{{index .OCIv1.Config.Labels "dev.batchpilot.source"}}' "$image" 2>/dev/null)" == "$source" ]]; then
+    say "$image is up to date (sources $source)"
+    return
+  fi
   say "buildah bud -f $file -t $image $*"
-  "${BUILDAH[@]}" bud --quiet --isolation chroot --network host --layers=false \
+  "${BUILDAH[@]}" bud --quiet --isolation chroot --network host --layers=false --label "$label" \
     "${ca_args[@]}" --build-arg "BASE=$BASE" "${@/#/--build-arg=}" -f "$file" -t "$image" . >/dev/null
 }
 build "$OPERATOR" operator/Dockerfile

@@ -1,8 +1,10 @@
 #!/usr/bin/env bash
 # One-time (and idempotent) set-up for the demo and the tests on a Debian machine:
 #   apt packages (Prometheus + promtool, Lua 5.1, openssl, Go when missing), a virtualenv in .venv with torch
-#   and batchpilot (editable, all extras; versions from hack/requirements*.lock), and the local
-#   control plane built from Go modules.
+#   and batchpilot (editable, all extras; versions from hack/requirements*.lock), the local
+#   control plane and the kubelet built from Go modules, and the real node's containerd, runc and
+#   CNI plugins (hack/node/build.sh, which also installs buildah, podman and mmdebstrap for
+#   `make images`: the image tests and the real node's tests build the images on first use).
 # Re-running it reuses what is there: each step is skipped when its inputs did not change.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -60,8 +62,12 @@ if [[ "$(cat .venv/.batchpilot-stamp 2>/dev/null)" != "$stamp" ]]; then
 fi
 
 # --- the local control plane ----------------------------------------------------------
-say "control plane binaries (go build through the module proxy; first time ~7 min on 2 cores)"
+say "control plane binaries and the kubelet (go build through the module proxy; first time ~7 min on 2 cores)"
 bash hack/k8s/build.sh
+say "the real node's parts: containerd, runc, CNI plugins, pause (tests/node; localdev/realnode.py)"
+bash hack/node/build.sh
+say "upstream Prometheus with Kubernetes service discovery, for the real node (go build; first time ~4 min)"
+bash hack/prometheus/build.sh
 bash hack/build-toxiproxy.sh  # Toxiproxy v2.12.0 for the dependency drills (tests/drills)
 say "Contour (the local Gateway API controller; go install, first time ~4 min on 2 cores)"
 bash hack/build-contour.sh

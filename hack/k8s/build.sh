@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Builds the local control plane once into a git-ignored cache:
-#   etcd, kube-apiserver, kube-controller-manager, kube-scheduler, kubectl (k8s.io/kubernetes,
-#   pinned in go.mod) and kwok (sigs.k8s.io/kwok, pinned below, built in its own module graph).
+#   etcd, kube-apiserver, kube-controller-manager, kube-scheduler, kubectl, the kubelet of the
+#   local real node (localdev/realnode.py) (k8s.io/kubernetes, pinned in go.mod) and kwok
+#   (sigs.k8s.io/kwok, pinned below, built in its own module graph).
 # Rebuilds only when the pins change (the stamp is a hash of go.mod, go.sum and this file).
 set -euo pipefail
 here=$(cd "$(dirname "$0")" && pwd)
@@ -23,7 +24,7 @@ for pkg in $v $cv; do
   ldflags+=" -X $pkg.gitVersion=$k8s_version -X $pkg.gitTreeState=clean"
   ldflags+=" -X $pkg.gitMajor=1 -X $pkg.gitMinor=$(echo "$k8s_version" | cut -d. -f2)"
 done
-for cmd in kube-apiserver kube-controller-manager kube-scheduler kubectl; do
+for cmd in kube-apiserver kube-controller-manager kube-scheduler kubectl kubelet; do
   echo ">> go build $cmd $k8s_version (first build takes several minutes on 2 cores)"
   go build -trimpath -ldflags="$ldflags" -o "$out/$cmd" "k8s.io/kubernetes/cmd/$cmd"
 done

@@ -328,12 +328,20 @@ def _pod_problem(pod: Manifest, lost_nodes: frozenset[str]) -> str | None:
         reason = scheduled.get("reason") or "NotScheduled"
         return f"{reason}: {scheduled.get('message', '')}".strip().rstrip(":")
     for cs in status.get("containerStatuses") or []:
-        waiting = (cs.get("state") or {}).get("waiting") or {}
+        state = cs.get("state") or {}
+        waiting = state.get("waiting") or {}
+        restarts = cs.get("restartCount", 0)
+        # Why the container last died (issue 23: the kubelet says OOMKilled, or Error with an exit
+        # code); a crash loop's waiting message does not say it.
+        last = (cs.get("lastState") or {}).get("terminated") or {}
+        died = f", last terminated {last.get('reason') or 'Error'} (exit code {last.get('exitCode')})" if last else ""
         if waiting.get("reason") in TROUBLE_WAITING_REASONS:
             detail = waiting.get("message") or ""
-            restarts = cs.get("restartCount", 0)
-            text = f"{waiting['reason']} (container {cs.get('name')}, {restarts} restarts)"
+            text = f"{waiting['reason']} (container {cs.get('name')}, {restarts} restarts{died})"
             return f"{text}: {detail}" if detail else text
+        if last.get("reason") == "OOMKilled" and not cs.get("ready"):
+            # Restarted after an OOM kill and not ready (yet): the kill is the news.
+            return f"OOMKilled (container {cs.get('name')}, {restarts} restarts, exit code {last.get('exitCode')})"
     node = (pod.get("spec") or {}).get("nodeName")
     if node and node in lost_nodes:
         return f"node {node} is not Ready"

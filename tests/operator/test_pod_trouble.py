@@ -103,3 +103,39 @@ def test_stable_keeps_the_pod_fields_it_runs() -> None:
     assert applied_hash(kept) not in (None, applied_hash(fresh)), "restamped"
     again = keep_running_pod_fields(build_deployment("p", "ns", "uid", new, "stable", old.revision(), 3), kept)
     assert applied_hash(again) == applied_hash(kept), "stable: an unchanged resync writes nothing"
+
+
+def test_an_oom_kill_is_named_while_crash_looping_and_while_restarting() -> None:
+    # What a real kubelet reports for a container over its memory limit (tests/node).
+    oom = {"terminated": {"reason": "OOMKilled", "exitCode": 137}}
+    looping = pod(
+        "p-canary-c",
+        containerStatuses=[
+            {
+                "name": "runtime",
+                "restartCount": 2,
+                "ready": False,
+                "lastState": oom,
+                "state": {"waiting": {"reason": "CrashLoopBackOff", "message": "back-off 20s restarting"}},
+            }
+        ],
+    )
+    assert pod_trouble([looping]) == (
+        "pod p-canary-c: CrashLoopBackOff (container runtime, 2 restarts, last terminated OOMKilled "
+        "(exit code 137)): back-off 20s restarting"
+    )
+    restarting = pod(
+        "p-canary-d",
+        containerStatuses=[
+            {"name": "runtime", "restartCount": 1, "ready": False, "lastState": oom, "state": {"running": {}}}
+        ],
+    )
+    assert pod_trouble([restarting]) == "pod p-canary-d: OOMKilled (container runtime, 1 restarts, exit code 137)"
+    # Ready again after an old OOM kill: no trouble now.
+    recovered = pod(
+        "p-canary-e",
+        containerStatuses=[
+            {"name": "runtime", "restartCount": 1, "ready": True, "lastState": oom, "state": {"running": {}}}
+        ],
+    )
+    assert pod_trouble([recovered]) == ""

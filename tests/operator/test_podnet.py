@@ -101,3 +101,11 @@ def test_routes_point_only_into_loopback(tmp_path: Path) -> None:
     (tmp_path / "10.0.0.8_8000").write_text("10.1.2.3:8000")
     with pytest.raises(PermissionError, match=r"outside 127\.0\.0\.0/8"):
         podnet.resolve(tmp_path, "10.0.0.8:8000")
+
+
+def test_the_real_nodes_bridge_is_dialled_as_it_is_and_nothing_else(tmp_path: Path) -> None:
+    # localdev/realnode.py: its pods and kubelet are real hosts on the project's own bridge.
+    assert podnet.resolve(tmp_path, "198.18.0.7:8000") == ("198.18.0.7", 8000)
+    assert podnet.resolve(tmp_path, "198.19.255.1:10250") == ("198.19.255.1", 10250)
+    assert podnet.resolve(tmp_path, "198.20.0.1:8000") is None
+    assert podnet.resolve(tmp_path, "10.0.0.7:8000") is None

@@ -33,6 +33,12 @@ def register(sub: Any) -> None:
         help="device for every runtime process (kwok's GPU nodes are fake; auto: CUDA if present, else CPU); "
         "'policy' keeps each policy's own",
     )
+    p.add_argument(
+        "--real-node",
+        action="store_true",
+        help="run the pods on a real node (kubelet + containerd, the images of `make images`) instead of kwok "
+        "and the runtime harness; needs root (a bridge, network namespaces, cgroups)",
+    )
     p.add_argument("--timeout", type=float, default=300.0, help="seconds to wait for the stack to come up")
     p.set_defaults(func=run_up)
 
@@ -72,7 +78,9 @@ def run_up(args: argparse.Namespace) -> int:
     device = None if args.runtime_device == "policy" else args.runtime_device
     if device not in (None, "auto", "cpu", "cuda"):
         raise SystemExit("error: --runtime-device must be auto, cpu, cuda or policy")
-    return _guard(lambda: up(args.workdir, args.namespace, args.rate, args.trace, device, args.timeout, _say))
+    return _guard(
+        lambda: up(args.workdir, args.namespace, args.rate, args.trace, device, args.timeout, _say, args.real_node)
+    )
 
 
 def run_down(args: argparse.Namespace) -> int:

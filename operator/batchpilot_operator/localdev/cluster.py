@@ -270,6 +270,7 @@ class LocalCluster:
         gpus_per_node: int = 8,
         node_monitor_grace_period: int | None = None,
         node_lease_seconds: int = 40,
+        service_cidr: str = "10.96.0.0/16",
     ) -> LocalCluster:
         """``audit``: the apiserver writes an audit log (metadata of every request: user agent,
         verb, resource, namespace) to :attr:`audit_log`, to count a client's requests.
@@ -277,7 +278,9 @@ class LocalCluster:
         controller-manager's and scheduler's client rate limit (benchmarks with 1000s of pods).
         ``gpus_per_node``: each fake node's ``nvidia.com/gpu``; ``node_monitor_grace_period`` (s)
         and ``node_lease_seconds``: how soon a node kwok stops heart-beating goes NotReady (the
-        node-loss drill; the defaults are Kubernetes' and kwok's)."""
+        node-loss drill; the defaults are Kubernetes' and kwok's). ``service_cidr``: where Service
+        cluster IPs come from (the real node's cluster takes them from its own 198.19.0.0/16;
+        nothing routes them: there is no kube-proxy)."""
         directory = ensure_binaries()
         t0 = time.monotonic()
         workdir = workdir.resolve()
@@ -343,7 +346,7 @@ class LocalCluster:
                     "--service-account-issuer=https://kubernetes.default.svc",
                     f"--service-account-key-file={pki / 'sa.pub'}",
                     f"--service-account-signing-key-file={pki / 'sa.key'}",
-                    "--service-cluster-ip-range=10.96.0.0/16",
+                    f"--service-cluster-ip-range={service_cidr}",
                     "--authorization-mode=RBAC",
                     "--allow-privileged=true",
                     "--enable-priority-and-fairness=false",
@@ -404,7 +407,8 @@ class LocalCluster:
             nodes = "---\n".join(
                 gpu_node_manifest(f"gpu-node-{i}", gpus=gpus_per_node, pods=pods_per_node) for i in range(gpu_nodes)
             )
-            cluster.kubectl("apply", "-f", "-", input=nodes)
+            if gpu_nodes:  # none for a cluster whose only node is a real kubelet (localdev/realnode.py)
+                cluster.kubectl("apply", "-f", "-", input=nodes)
             cluster.wait_for(
                 lambda: (
                     cluster.kubectl(

@@ -17,16 +17,30 @@ import time
 from collections import Counter, defaultdict, deque
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
+from typing import Protocol
 
 import aiohttp
 
-from batchpilot_operator.localdev.harness import RuntimeProcess
 from batchpilot_runtime.config import TENANT_HEADER
 
 LATE_S = 0.02
 """A send started this much after its scheduled time counts as late (see ``TraceReplay.late``)."""
 
 ROW = [round(random.Random(7).uniform(-1, 1), 4) for _ in range(512)]
+
+
+class Endpoint(Protocol):
+    """Where a request goes: a local runtime process (``harness.RuntimeProcess``) or a real
+    pod (``realnode.PodEndpoint``)."""
+
+    @property
+    def url(self) -> str: ...
+
+    @property
+    def revision(self) -> str: ...
+
+    @property
+    def track(self) -> str: ...
 
 
 @dataclass
@@ -49,7 +63,7 @@ class TraceReplay:
     def __init__(
         self,
         arrivals: Sequence[float],
-        endpoints: Callable[[], list[RuntimeProcess]],
+        endpoints: Callable[[], Sequence[Endpoint]],
         model: str,
         lane: str | None = None,
         seed: int = 1,
@@ -143,7 +157,7 @@ class TraceReplay:
     async def _send(
         self,
         session: aiohttp.ClientSession,
-        target: RuntimeProcess,
+        target: Endpoint,
         payload: bytes,
         headers: dict[str, str],
         scheduled: float,

@@ -10,7 +10,9 @@ real clusters. The proxy never dials the address it is asked for: it looks the p
 in a routes directory (one file per ``<pod ip>_<port>``, holding ``127.0.0.1:<port>`` of the
 process that plays the pod, written by :mod:`batchpilot_operator.localdev.harness`) and
 connects there, only ever to 127.0.0.0/8. Unknown addresses get 502, a route outside
-127.0.0.0/8 gets 403: nothing ever connects to a 10.x address.
+127.0.0.0/8 gets 403: nothing ever connects to a 10.x address. The one exception is the
+project's own bridge of the real node (localdev/realnode.py, 198.18.0.0/15): its pods and its
+kubelet are real hosts there, dialled as they are (logs, exec, pod proxy).
 
 Run: ``python -m batchpilot_operator.localdev.podnet --socket PATH --routes DIR`` (the apiserver
 dials the Unix socket; see ``cluster.egress_selector_config``).
@@ -30,6 +32,8 @@ from pathlib import Path
 
 log = logging.getLogger("batchpilot.podnet")
 LOOPBACK = ipaddress.ip_network("127.0.0.0/8")
+REAL_NODE_NET = ipaddress.ip_network("198.18.0.0/15")
+"""The real node's bridge (localdev/realnode.py PROJECT_NET): real pods, dialled directly."""
 
 
 def route_file(routes: Path, pod_ip: str, port: int) -> Path:
@@ -56,10 +60,12 @@ def resolve(routes: Path, target: str) -> tuple[str, int] | None:
     host, _, port = target.rpartition(":")
     host = host.strip("[]")
     try:
-        ipaddress.ip_address(host)
+        address = ipaddress.ip_address(host)
         port_no = int(port)
     except ValueError:
         return None
+    if address in REAL_NODE_NET:
+        return host, port_no
     path = route_file(routes, host, port_no)
     try:
         local = path.read_text().strip()

@@ -28,6 +28,76 @@ from typing import Any
 from batchpilot_operator.localdev import free_port
 
 PROMETHEUS_BIN = shutil.which("prometheus") or "/usr/bin/prometheus"
+UPSTREAM_PROMETHEUS_BIN = (
+    Path(os.environ.get("BATCHPILOT_PROMETHEUS_BIN", Path(__file__).resolve().parents[3] / ".cache" / "prometheus-bin"))
+    / "prometheus"
+)
+"""Upstream Prometheus (``hack/prometheus/build.sh``), for :class:`KubernetesSD`: Debian's is built
+without Kubernetes service discovery."""
+PODMONITOR = Path(__file__).resolve().parents[3] / "manifests" / "components" / "monitoring" / "podmonitor.yaml"
+
+
+@dataclass(frozen=True)
+class KubernetesSD:
+    """Discover the runtime pods from an apiserver (``role: pod``), as the PodMonitor of
+    ``manifests/components/monitoring`` has the Prometheus Operator do in a cluster: pods of a
+    real node (localdev/realnode.py), scraped at their own addresses."""
+
+    api_server: str
+    ca_file: Path
+    token: str
+    namespaces: tuple[str, ...] = ()
+    """Only these namespaces (all when empty)."""
+
+
+def _relabel(rule: dict[str, Any]) -> dict[str, Any]:
+    """A PodMonitor relabeling (camelCase) as a Prometheus relabel config (snake_case)."""
+    names = {"sourceLabels": "source_labels", "targetLabel": "target_label"}
+    return {names.get(k, k): v for k, v in rule.items()}
+
+
+def _label_meta(label: str) -> str:
+    return "__meta_kubernetes_pod_label_" + "".join(c if c.isalnum() else "_" for c in label)
+
+
+def podmonitor_scrape_config(sd: KubernetesSD, scrape_interval: str, podmonitor: Path = PODMONITOR) -> dict[str, Any]:
+    """The ``batchpilot`` job the Prometheus Operator would generate from the PodMonitor (its
+    selector, port, path, relabelings and metric relabelings), with kubernetes_sd against ``sd``;
+    the interval is the tests' rather than the manifest's."""
+    import yaml
+
+    monitor = yaml.safe_load(podmonitor.read_text())
+    (endpoint,) = monitor["spec"]["podMetricsEndpoints"]
+    match = monitor["spec"]["selector"]["matchLabels"]
+    sd_config: dict[str, Any] = {
+        "role": "pod",
+        "api_server": sd.api_server,
+        "tls_config": {"ca_file": str(sd.ca_file)},
+        "authorization": {"credentials": sd.token},
+    }
+    if sd.namespaces:
+        sd_config["namespaces"] = {"names": list(sd.namespaces)}
+    return {
+        "job_name": "batchpilot",
+        "scrape_interval": scrape_interval,
+        "scrape_timeout": scrape_interval,
+        "metrics_path": endpoint.get("path", "/metrics"),
+        "kubernetes_sd_configs": [sd_config],
+        "relabel_configs": [
+            {
+                "action": "keep",
+                "source_labels": [_label_meta(k) for k in match],
+                "regex": ";".join(match.values()),
+            },
+            {
+                "action": "keep",
+                "source_labels": ["__meta_kubernetes_pod_container_port_name"],
+                "regex": endpoint["port"],
+            },
+            *(_relabel(r) for r in endpoint.get("relabelings", [])),
+        ],
+        "metric_relabel_configs": [_relabel(r) for r in endpoint.get("metricRelabelings", [])],
+    }
 
 
 @dataclass(frozen=True)
@@ -39,7 +109,16 @@ class ScrapeTarget:
 
 
 class PrometheusServer:
-    def __init__(self, workdir: Path, *, scrape_interval: str = "1s", port: int | None = None) -> None:
+    def __init__(
+        self,
+        workdir: Path,
+        *,
+        scrape_interval: str = "1s",
+        port: int | None = None,
+        kubernetes_sd: KubernetesSD | None = None,
+    ) -> None:
+        """``kubernetes_sd``: find the targets in the cluster (the PodMonitor's job) instead of
+        the file :meth:`set_targets` writes."""
         self.workdir = workdir
         self.workdir.mkdir(parents=True, exist_ok=True)
         self.port = port or free_port()
@@ -49,19 +128,23 @@ class PrometheusServer:
         self.data_dir = workdir / "data"
         self.log_file = workdir / "prometheus.log"
         self.process: subprocess.Popen[bytes] | None = None
+        self.kubernetes_sd = kubernetes_sd
         self.set_targets([])
+        job = (
+            podmonitor_scrape_config(kubernetes_sd, scrape_interval)
+            if kubernetes_sd
+            else {
+                "job_name": "batchpilot",
+                "scrape_interval": scrape_interval,
+                "scrape_timeout": scrape_interval,
+                "file_sd_configs": [{"files": [str(self.sd_file)], "refresh_interval": "1s"}],
+            }
+        )
         self.config_file.write_text(
             json.dumps(  # JSON is YAML
                 {
                     "global": {"scrape_interval": scrape_interval, "evaluation_interval": scrape_interval},
-                    "scrape_configs": [
-                        {
-                            "job_name": "batchpilot",
-                            "scrape_interval": scrape_interval,
-                            "scrape_timeout": scrape_interval,
-                            "file_sd_configs": [{"files": [str(self.sd_file)], "refresh_interval": "1s"}],
-                        }
-                    ],
+                    "scrape_configs": [job],
                 },
                 indent=2,
             )
@@ -82,9 +165,12 @@ class PrometheusServer:
         if self.process is not None and self.process.poll() is None:
             return
         log = self.log_file.open("ab")
+        binary = str(UPSTREAM_PROMETHEUS_BIN) if self.kubernetes_sd else PROMETHEUS_BIN
+        if self.kubernetes_sd and not UPSTREAM_PROMETHEUS_BIN.exists():
+            raise RuntimeError(f"{UPSTREAM_PROMETHEUS_BIN} is missing: run hack/prometheus/build.sh")
         self.process = subprocess.Popen(
             [
-                PROMETHEUS_BIN,
+                binary,
                 f"--config.file={self.config_file}",
                 f"--storage.tsdb.path={self.data_dir}",
                 f"--web.listen-address=127.0.0.1:{self.port}",
@@ -173,9 +259,12 @@ def start_prometheus(
     *,
     scrape_interval: str = "1s",
     port: int | None = None,
+    kubernetes_sd: KubernetesSD | None = None,
 ) -> PrometheusServer:
-    """Start a real Prometheus scraping ``targets`` (the caller stops it)."""
-    server = PrometheusServer(tmp_path / "prometheus", scrape_interval=scrape_interval, port=port)
+    """Start a real Prometheus scraping ``targets``, or the pods ``kubernetes_sd`` finds (the caller stops it)."""
+    server = PrometheusServer(
+        tmp_path / "prometheus", scrape_interval=scrape_interval, port=port, kubernetes_sd=kubernetes_sd
+    )
     server.set_targets(targets)
     server.start()
     return server

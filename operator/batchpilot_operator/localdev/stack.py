@@ -145,8 +145,14 @@ class Part:
 class Supervisor:
     """Runs inside the detached ``python -m batchpilot_operator.localdev.stack serve`` process."""
 
-    def __init__(self, workdir: Path, namespace: str, rate: float, trace: Path, device: str | None) -> None:
+    def __init__(
+        self, workdir: Path, namespace: str, rate: float, trace: Path, device: str | None, real_node: bool = False
+    ) -> None:
         self.workdir, self.namespace, self.rate, self.trace, self.device = workdir, namespace, rate, trace, device
+        self.real_node = real_node
+        self.node: Any = None
+        """The real node (localdev/realnode.py) with ``real_node``: pods run there, no harness."""
+        self.endpoints: dict[str, Any] = {}
         self.state_path = workdir / STATE_FILE
         self.load_path = workdir / LOAD_FILE
         self.cluster: Any = None
@@ -163,7 +169,8 @@ class Supervisor:
             "workdir": str(workdir),
             "namespace": namespace,
             "trace": str(trace),
-            "runtimeDevice": device,
+            "runtimeDevice": None if real_node else device,
+            "realNode": real_node,
             "log": str(workdir / SUPERVISOR_LOG),
         }
         self._stop = threading.Event()
@@ -220,6 +227,9 @@ class Supervisor:
         from batchpilot_operator.localdev.harness import RuntimeHarness
         from batchpilot_operator.localdev.prometheus import PrometheusServer
 
+        if self.real_node:
+            self.start_real_node()
+            return
         self.log("starting the local control plane")
         self.cluster = LocalCluster.start(self.workdir / "cluster", gpu_nodes=2)
         self.save(kubeconfig=str(self.cluster.kubeconfig), kubectl=str(self.cluster.bin_dir / "kubectl"))
@@ -238,6 +248,40 @@ class Supervisor:
         self.operator = start_operator(self.cluster.kubeconfig, self.prom.url, self.workdir / "operator.log")
         self.tick()
 
+    def start_real_node(self) -> None:
+        """The control plane with no kwok node, the real node beside it (kubelet + containerd:
+        the operator's pods run the runtime image), Prometheus finding them through Kubernetes
+        service discovery, the operator."""
+        from batchpilot_operator.localdev.cluster import ADMIN_TOKEN, REPO_ROOT, LocalCluster
+        from batchpilot_operator.localdev.demo import start_operator
+        from batchpilot_operator.localdev.prometheus import KubernetesSD, PrometheusServer
+        from batchpilot_operator.localdev.realnode import RUNTIME_IMAGE, RealNode
+
+        self.log("starting the local control plane (no kwok node)")
+        self.cluster = LocalCluster.start(self.workdir / "cluster", gpu_nodes=0, service_cidr="198.19.0.0/16")
+        self.save(kubeconfig=str(self.cluster.kubeconfig), kubectl=str(self.cluster.bin_dir / "kubectl"))
+        self.log("starting the real node (kubelet + containerd; builds and imports the images when stale)")
+        ca = self.cluster.workdir / "pki" / "ca.crt"
+        self.node = RealNode.start(self.cluster.kubeconfig, ca, self.workdir / "node")
+        # The examples name the image a registry would serve; containerd has it under that name too.
+        self.node.alias(RUNTIME_IMAGE, f"ghcr.io/batchpilot/runtime:{RUNTIME_IMAGE.rsplit(':', 1)[1]}")
+        self.save(node=self.node.name)
+        self.cluster.kubectl("apply", "-f", str(REPO_ROOT / "crds" / "batchingpolicy.yaml"))
+        self.cluster.wait_established(CRD_NAME)
+        if self.cluster.kubectl("get", "namespace", self.namespace, "--ignore-not-found", "-o", "name") == "":
+            self.cluster.kubectl("create", "namespace", self.namespace)
+        self.cluster.kubectl(
+            "label", "--overwrite", "namespace", self.namespace, "pod-security.kubernetes.io/enforce=restricted"
+        )
+        self.log("starting Prometheus (Kubernetes service discovery)")
+        sd = KubernetesSD(self.cluster.server, ca, ADMIN_TOKEN, (self.namespace,))
+        self.prom = PrometheusServer(self.workdir / "prometheus", scrape_interval="1s", kubernetes_sd=sd)
+        self.prom.start()
+        self.save(prometheusUrl=self.prom.url)
+        self.log("starting the operator")
+        self.operator = start_operator(self.cluster.kubeconfig, self.prom.url, self.workdir / "operator.log")
+        self.tick()
+
     def stop_replays(self) -> None:
         """Stop every replay at once (each waits for its requests in flight, up to 10 s)."""
         threads = [threading.Thread(target=r.stop) for r in self.replays.values()]
@@ -246,6 +290,9 @@ class Supervisor:
         for t in threads:
             t.join()
         self.replays.clear()
+        for endpoints in self.endpoints.values():
+            endpoints.stop()
+        self.endpoints.clear()
 
     def stop(self) -> None:
         self.stop_replays()
@@ -260,6 +307,10 @@ class Supervisor:
             self.harness.stop()
         if self.prom is not None:
             self.prom.stop()
+        if self.node is not None:
+            problems = self.node.stop()
+            if problems:
+                self.log(f"real node clean-up left: {problems}")
         if self.cluster is not None:
             self.cluster.stop()
 
@@ -269,6 +320,11 @@ class Supervisor:
         if self.cluster is not None:
             for name, proc in self.cluster.processes.items():
                 parts.append(Part(name, proc.pid, proc.poll(), str(self.cluster.workdir / "logs" / f"{name}.log")))
+        if self.node is not None:
+            for name, proc in self.node.processes.items():
+                parts.append(
+                    Part(f"node/{name}", proc.pid, proc.poll(), str(self.node.workdir / "logs" / f"{name}.log"))
+                )
         if self.prom is not None and self.prom.process is not None:
             parts.append(Part("prometheus", self.prom.process.pid, self.prom.process.poll(), str(self.prom.log_file)))
         if self.operator is not None:
@@ -326,6 +382,9 @@ class Supervisor:
         if self.rate != self.replay_rate:
             self.stop_replays()
             self.replay_rate = self.rate
+        if self.rate > 0 and self.node is not None:
+            self.apply_load_real_node()
+            return
         if self.rate <= 0 or self.harness is None:
             return
         ready: dict[str, list[Any]] = {}
@@ -348,6 +407,33 @@ class Supervisor:
         arrivals = load_trace(self.trace).scaled_arrivals(self.rate)
         self.log(f"load: replaying {self.trace.name} at {self.rate:g} req/s against {policy}")
         return TraceReplay(arrivals, lambda: harness.endpoints(policy), example.model, body=body).start()
+
+    def apply_load_real_node(self) -> None:
+        """Replay the trace against every policy with a ready pod on the real node (at the pods'
+        own addresses, as the policy's Service would route)."""
+        from batchpilot_operator.localdev.load import TraceReplay
+        from batchpilot_operator.localdev.realnode import PodEndpoints
+        from batchpilot_operator.tune.trace import load_trace
+
+        out = self.cluster.kubectl("get", "batchingpolicies", "-n", self.namespace, "-o", "json")
+        for policy in json.loads(out)["items"]:
+            name = policy["metadata"]["name"]
+            if name in self.replays:
+                continue
+            endpoints = self.endpoints.get(name) or PodEndpoints(self.cluster.kubeconfig, self.namespace, name).start()
+            self.endpoints[name] = endpoints
+            ready = endpoints()
+            if not ready:
+                continue
+            model = policy["spec"]["model"]["name"]
+            try:
+                body = infer_body(ready[0].url, model)
+            except (OSError, ValueError, KeyError) as exc:  # tried again at the next check
+                self.log(f"load: cannot start against {name} yet: {type(exc).__name__}: {exc}")
+                continue
+            arrivals = load_trace(self.trace).scaled_arrivals(self.rate)
+            self.log(f"load: replaying {self.trace.name} at {self.rate:g} req/s against {name} (real pods)")
+            self.replays[name] = TraceReplay(arrivals, endpoints, model, body=body).start()
 
 
 def infer_body(url: str, model: str) -> dict[str, Any]:
@@ -390,6 +476,7 @@ def up(
     device: str | None,
     timeout: float,
     say: Callable[[str], None],
+    real_node: bool = False,
 ) -> int:
     workdir = workdir.resolve()
     state = running_state(workdir)
@@ -422,8 +509,10 @@ def up(
         f"--rate={rate}",
         f"--trace={trace.resolve()}",
     ]
-    if device:
+    if device and not real_node:
         cmd.append(f"--runtime-device={device}")
+    if real_node:
+        cmd.append("--real-node")
     with (workdir / SUPERVISOR_LOG).open("ab") as log:
         proc = subprocess.Popen(
             cmd,
@@ -458,6 +547,12 @@ def report(state: Mapping[str, Any], say: Callable[[str], None]) -> int:
     say(f"export PATH={kubectl_dir}:{Path(sys.executable).parent}:$PATH   # kubectl and kubectl-batchpilot")
     say(f"Prometheus: {state['prometheusUrl']}")
     load = state.get("load") or {}
+    if state.get("realNode"):
+        say(
+            f"real node {state.get('node')}: the operator's pods run there (kubelet + containerd, runtime image of "
+            "`make images`; a policy's model.device must be cpu or auto: the node has no GPU, only nvidia.com/gpu "
+            f"to schedule on); namespace {state['namespace']!r} enforces the restricted Pod Security Standard"
+        )
     say(
         f"runtime harness and load serve namespace {state['namespace']!r}: the trace at {state.get('rate', 0):g} req/s "
         f"per policy (`batchpilot load --rate R` changes it){'; now: ' + ', '.join(sorted(load)) if load else ''}"
@@ -536,8 +631,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--rate", type=float, required=True)
     p.add_argument("--trace", type=Path, required=True)
     p.add_argument("--runtime-device", default=None)
+    p.add_argument("--real-node", action="store_true")
     args = p.parse_args(argv)
-    return Supervisor(args.workdir, args.namespace, args.rate, args.trace, args.runtime_device).run()
+    return Supervisor(args.workdir, args.namespace, args.rate, args.trace, args.runtime_device, args.real_node).run()
 
 
 if __name__ == "__main__":
