@@ -270,7 +270,7 @@ class LocalCluster:
         gpus_per_node: int = 8,
         node_monitor_grace_period: int | None = None,
         node_lease_seconds: int = 40,
-        service_cidr: str = "10.96.0.0/16",
+        service_cidr: str = "198.19.0.0/16",
     ) -> LocalCluster:
         """``audit``: the apiserver writes an audit log (metadata of every request: user agent,
         verb, resource, namespace) to :attr:`audit_log`, to count a client's requests.
@@ -279,7 +279,7 @@ class LocalCluster:
         ``gpus_per_node``: each fake node's ``nvidia.com/gpu``; ``node_monitor_grace_period`` (s)
         and ``node_lease_seconds``: how soon a node kwok stops heart-beating goes NotReady (the
         node-loss drill; the defaults are Kubernetes' and kwok's). ``service_cidr``: where Service
-        cluster IPs come from (the real node's cluster takes them from its own 198.19.0.0/16;
+        cluster IPs come from (198.19.0.0/16 of the test networks' 198.18.0.0/15, never 10.x;
         nothing routes them: there is no kube-proxy)."""
         directory = ensure_binaries()
         t0 = time.monotonic()
