@@ -863,6 +863,8 @@ def markdown_table(result: dict[str, Any]) -> str:
                 cells.append("")
                 continue
             extra = f" ({pct(r['held'])} held)" if r.get("held") else ""
+            if s == "slower20" and r.get("said_20pct_not_detectable") is not None:
+                extra += f"; {pct(r['said_20pct_not_detectable'])} said 20% is out of reach"
             cells.append(f"{pct(r['rolled_back'])} of {r['rollouts']}{extra}")
         lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines)

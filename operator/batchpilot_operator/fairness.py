@@ -113,8 +113,10 @@ def fed_alike(spec: PolicySpec, weight: int, other: int) -> bool:
 def gating_analyses(spec: PolicySpec) -> int:
     """How many analyses the tally that promotes a canary can hold: those of the final run of
     steps fed alike (the last step and the steps just before it that feed the canary as it
-    does; :func:`fed_alike`), each step at least ``ceil(pause / analysisInterval)`` of them,
-    at most :data:`analysis.TALLY_ANALYSES`. What the gate can see (``power``) is judged on this
+    does; :func:`fed_alike`), each step ``floor(pause / analysisInterval)`` of them and at
+    least one (a clean step passes on the analyses its pause holds: its first analysis comes
+    an interval after its pods are ready, and it advances when the pause ends), at most
+    :data:`analysis.TALLY_ANALYSES`. What the gate can see (``power``) is judged on this
     many analyses: a short like-for-like last step sees less than a full tally would."""
     steps = spec.rollout.steps
     interval = spec.rollout.analysis_interval
@@ -123,7 +125,7 @@ def gating_analyses(spec: PolicySpec) -> int:
     for step in reversed(steps):
         if not fed_alike(spec, step.weight, last):
             break
-        count += max(1, math.ceil(step.pause / interval - 1e-9))
+        count += max(1, math.floor(step.pause / interval + 1e-9))
     return max(1, min(TALLY_ANALYSES, count))
 
 

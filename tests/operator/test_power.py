@@ -128,17 +128,18 @@ def _rollout_spec(replicas: int, steps: list[tuple[int, str]], interval: str, ro
 
 
 def test_the_gate_sees_what_its_last_like_for_like_steps_gather() -> None:
-    # The demo's clocks (steps of 20 s, an analysis every 15 s): with the replica ratio every
-    # step feeds the canary alike and the promoting tally is full (2 + 2 analyses); on a route
-    # with 2 replicas only the 50% step compares like with like (10% and 25% feed a canary pod
-    # 0.22 and 0.67 of a stable pod's rate), 2 analyses. The shipped example's 5-minute pauses
-    # fill a tally within its last step.
+    # The demo's clocks (steps of 20 s, an analysis every 15 s): a clean step passes on the one
+    # analysis its pause holds. With the replica ratio every step feeds the canary alike (1 + 1
+    # analyses); on a route with 2 replicas only the 50% step compares like with like (10% and
+    # 25% feed a canary pod 0.22 and 0.67 of a stable pod's rate): 1. The shipped example's
+    # 5-minute pauses fill a tally within its last step.
     demo = [(25, "20s"), (50, "20s")]
     shipped = [(10, "5m"), (25, "5m"), (50, "5m")]
-    assert gating_analyses(_rollout_spec(4, demo, "15s", routed=False)) == TALLY_ANALYSES
-    assert gating_analyses(_rollout_spec(2, [(10, "20s"), (25, "20s"), (50, "20s")], "15s", routed=True)) == 2
+    assert gating_analyses(_rollout_spec(4, demo, "15s", routed=False)) == 2
+    assert gating_analyses(_rollout_spec(2, [(10, "20s"), (25, "20s"), (50, "20s")], "15s", routed=True)) == 1
     assert gating_analyses(_rollout_spec(2, shipped, "30s", routed=True)) == TALLY_ANALYSES
     assert gating_analyses(_rollout_spec(4, [(50, "0s")], "15s", routed=True)) == 1
+    assert gating_analyses(_rollout_spec(4, [(25, "30s"), (50, "45s")], "15s", routed=False)) == TALLY_ANALYSES
     # and fewer analyses see only larger regressions: the status says what this rollout can see
     near = lognormal(0.04, 0.5)
     stable = check("stable", count_above(near, SLO) / near[-1][1] * 300, 300)
