@@ -218,6 +218,45 @@ class LedgerSeen:
         return [e for e in self._seen.values() if all(e.get(k) == v for k, v in match.items())]
 
 
+class PolicyScenario:
+    """What an end-to-end scenario does with its one policy: read its status (every ledger entry
+    the polls saw kept in ``ledger``), wait for a condition on it with the evidence on timeout,
+    and apply a change. A scenario sets the attributes below and adds its own evidence in
+    :meth:`diagnostics`."""
+
+    kube: Kube
+    namespace: str
+    op: OperatorProcess
+    ledger: LedgerSeen
+    policy_name: str = "shop"
+    status_tail: int = 4000
+    """How much of the status (JSON, the end) a timeout shows."""
+
+    def diagnostics(self) -> str:
+        return ""
+
+    def status(self) -> dict[str, Any]:
+        obj = self.kube.get("batchingpolicy", self.policy_name, self.namespace) or {}
+        return self.ledger.record(obj.get("status") or {})
+
+    def wait(self, predicate: Any, timeout: float, what: str) -> dict[str, Any]:
+        def check() -> Any:
+            status = self.status()
+            return status if predicate(status) else None
+
+        try:
+            result: dict[str, Any] = self.kube.wait_for(check, timeout, what)
+        except AssertionError as exc:
+            raise AssertionError(
+                f"{exc}\nstatus: {json.dumps(self.status(), indent=1)[-self.status_tail :]}\n"
+                f"operator log:\n{self.op.log()[-3000:]}\n{self.diagnostics()}"
+            ) from exc
+        return result
+
+    def apply(self, policy: dict[str, Any]) -> None:
+        self.kube.apply(policy, "-n", self.namespace)
+
+
 def wait_policy_status(
     kube: Kube, namespace: str, name: str, pred: Any, what: str, op: OperatorProcess, timeout: float = 90
 ) -> dict[str, Any]:

@@ -6,7 +6,6 @@ window that breaks the SLO is rolled back on the metrics the canary's containers
 
 from __future__ import annotations
 
-import json
 import sys
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -21,7 +20,7 @@ from batchpilot_operator.localdev.prometheus import KubernetesSD, PrometheusServ
 from batchpilot_operator.localdev.realnode import PodEndpoints, RealNode
 from batchpilot_operator.tune.trace import load_trace
 from bpnode import pod_ip, pods, ready_pods, real_policy
-from bptest import REPO, Kube, LedgerSeen, OperatorProcess, start_operator
+from bptest import REPO, Kube, LedgerSeen, OperatorProcess, PolicyScenario, start_operator
 
 pytestmark = [pytest.mark.cluster, pytest.mark.realnode, pytest.mark.prometheus, pytest.mark.slow]
 
@@ -39,7 +38,7 @@ def with_window(window: str, max_batch_size: int | None = None) -> dict[str, Any
 
 
 @dataclass
-class Scenario:
+class Scenario(PolicyScenario):
     kube: Kube
     namespace: str
     prom: PrometheusServer
@@ -47,26 +46,8 @@ class Scenario:
     replay: TraceReplay
     ledger: LedgerSeen
 
-    def status(self) -> dict[str, Any]:
-        obj = self.kube.get("batchingpolicy", "shop", self.namespace) or {}
-        return self.ledger.record(obj.get("status") or {})
-
-    def wait(self, predicate: Any, timeout: float, what: str) -> dict[str, Any]:
-        def check() -> Any:
-            status = self.status()
-            return status if predicate(status) else None
-
-        try:
-            result: dict[str, Any] = self.kube.wait_for(check, timeout, what)
-        except AssertionError as exc:
-            raise AssertionError(
-                f"{exc}\nstatus: {json.dumps(self.status(), indent=1)[-4000:]}\n"
-                f"operator log:\n{self.op.log()[-3000:]}\nprometheus:\n{self.prom.log_tail()}"
-            ) from exc
-        return result
-
-    def apply(self, policy: dict[str, Any]) -> None:
-        self.kube.apply(policy, "-n", self.namespace)
+    def diagnostics(self) -> str:
+        return f"prometheus:\n{self.prom.log_tail()}"
 
 
 @pytest.fixture

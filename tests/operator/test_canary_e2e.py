@@ -26,7 +26,7 @@ from batchpilot_operator.localdev.harness import RuntimeHarness
 from batchpilot_operator.localdev.load import TraceReplay
 from batchpilot_operator.localdev.prometheus import PrometheusServer
 from batchpilot_operator.tune.trace import load_trace
-from bptest import REPO, TINY_CANARY_POLICY, Kube, LedgerSeen, OperatorProcess, Plugin, start_operator
+from bptest import REPO, TINY_CANARY_POLICY, Kube, LedgerSeen, OperatorProcess, Plugin, PolicyScenario, start_operator
 
 pytestmark = [pytest.mark.cluster, pytest.mark.prometheus, pytest.mark.slow]
 
@@ -51,7 +51,7 @@ def ts(text: str) -> float:
     return datetime.fromisoformat(text.replace("Z", "+00:00")).timestamp()
 
 
-class Scenario:
+class Scenario(PolicyScenario):
     def __init__(
         self, kube: Kube, namespace: str, prom: PrometheusServer, op: OperatorProcess, harness: RuntimeHarness
     ) -> None:
@@ -60,26 +60,8 @@ class Scenario:
         """Every ledger entry the polls below saw: each canary's analyses over its whole life
         (status keeps the newest only; one analysis every 4 s adds 4)."""
 
-    def status(self) -> dict[str, Any]:
-        obj = self.kube.get("batchingpolicy", "shop", self.namespace) or {}
-        return self.ledger.record(obj.get("status") or {})
-
-    def wait(self, predicate: Any, timeout: float, what: str) -> dict[str, Any]:
-        def check() -> Any:
-            status = self.status()
-            return status if predicate(status) else None
-
-        try:
-            result: dict[str, Any] = self.kube.wait_for(check, timeout, what)
-        except AssertionError as exc:
-            raise AssertionError(
-                f"{exc}\nstatus: {json.dumps(self.status(), indent=1)[-4000:]}\n"
-                f"operator log:\n{self.op.log()[-3000:]}\nharness errors: {self.harness.errors}"
-            ) from exc
-        return result
-
-    def apply(self, policy: dict[str, Any]) -> None:
-        self.kube.apply(policy, "-n", self.namespace)
+    def diagnostics(self) -> str:
+        return f"harness errors: {self.harness.errors}"
 
 
 @pytest.fixture

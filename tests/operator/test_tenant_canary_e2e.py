@@ -59,7 +59,7 @@ from batchpilot_operator.localdev.prometheus import PrometheusServer
 from batchpilot_operator.prom import PrometheusBackend
 from batchpilot_operator.spec import parse_spec
 from batchpilot_operator.tune.trace import load_trace
-from bptest import REPO, TINY_MODEL, Kube, LedgerSeen, OperatorProcess, Plugin, start_operator
+from bptest import REPO, TINY_MODEL, Kube, LedgerSeen, OperatorProcess, Plugin, PolicyScenario, start_operator
 
 pytestmark = [pytest.mark.cluster, pytest.mark.prometheus, pytest.mark.slow]
 
@@ -117,33 +117,19 @@ def poisson(rate: float, seconds: float, seed: int) -> list[float]:
     return out
 
 
-class Scenario:
+class Scenario(PolicyScenario):
+    policy_name = "mall"
+
     def __init__(self, kube: Kube, namespace: str, prom: PrometheusServer, op: OperatorProcess, h: RuntimeHarness):
         self.kube, self.namespace, self.prom, self.op, self.harness = kube, namespace, prom, op, h
         self.ledger = LedgerSeen()
         """Every ledger entry the polls below saw: a canary's analyses over its whole life (status
         keeps the newest only; one analysis every 30 s adds at most a dozen)."""
 
-    def status(self) -> dict[str, Any]:
-        obj = self.kube.get("batchingpolicy", "mall", self.namespace) or {}
-        return self.ledger.record(obj.get("status") or {})
+    status_tail = 6000
 
-    def wait(self, predicate: Any, timeout: float, what: str) -> dict[str, Any]:
-        def check() -> Any:
-            status = self.status()
-            return status if predicate(status) else None
-
-        try:
-            result: dict[str, Any] = self.kube.wait_for(check, timeout, what)
-        except AssertionError as exc:
-            raise AssertionError(
-                f"{exc}\nstatus: {json.dumps(self.status(), indent=1)[-6000:]}\n"
-                f"operator log:\n{self.op.log()[-3000:]}\nharness errors: {self.harness.errors}"
-            ) from exc
-        return result
-
-    def apply(self, policy: dict[str, Any]) -> None:
-        self.kube.apply(policy, "-n", self.namespace)
+    def diagnostics(self) -> str:
+        return f"harness errors: {self.harness.errors}"
 
     def roll(self, policy: dict[str, Any], stable: str) -> tuple[str, dict[str, Any]]:
         """Apply a change and wait for its canary to be rolled back; (its revision, the status)."""
