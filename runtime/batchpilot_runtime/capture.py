@@ -382,14 +382,17 @@ class Capture:
         host = os.environ.get("HOSTNAME") or os.uname().nodename
         if host:
             model["host"] = host
-        sources = sorted({p.pop("source") for p in points})
+        sources = sorted({p["source"] for p in points})
         delays = sorted(x for cut in self.cut for x in list(cut.samples))
         dispatch_delay = _quantile(delays, 0.5) if delays else 0.0
         return {
             "apiVersion": CAPTURE_API_VERSION,
             "kind": "LatencyProfile",
             "model": model,
-            "quantile": "p90",
+            # The simulator's queue grows by the sum of its passes' times, whose expectation is the
+            # mean per batch size: a tail column (p90) for every pass overstates a busy period's
+            # backlog (bench/results/latency_model_grid.json measures both).
+            "quantile": "mean",
             "requestOverhead": "0s",
             # The median batch cut delay over all lanes: the simulator delays every dispatch by it.
             "dispatchDelay": format_duration(dispatch_delay),

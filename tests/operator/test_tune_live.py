@@ -90,12 +90,30 @@ def test_merge_names_pods_missing_the_lane() -> None:
         merge_traffic([a, b], "interactive")
 
 
-def test_merge_profiles_takes_the_slowest_pod_per_size() -> None:
-    merged = merge_profiles([profile_doc(1.0), profile_doc(2.0, sizes=(1, 2, 16))])
+def test_merge_profiles_pools_the_pods_by_their_samples() -> None:
+    slow = profile_doc(2.0, sizes=(1, 2, 16))
+    slow["points"][0]["samples"] = 30  # batch 1: 10 samples at 1.25 ms, 30 at 2.5 ms
+    merged = merge_profiles([profile_doc(1.0), slow])
     assert merged.batch_sizes == [1, 2, 4, 8, 16]
-    assert merged.points[0].p50 == pytest.approx(2.5e-3) and merged.points[0].samples == 20
+    assert merged.points[0].p50 == pytest.approx((10 * 1.25e-3 + 30 * 2.5e-3) / 40)
+    assert merged.points[0].samples == 40
     assert merged.points[2].p50 == pytest.approx(2e-3)  # size 4 only on the fast pod
     LatencyProfile.model_validate(merged.model_dump(by_alias=True))
+
+
+def test_merge_profiles_leaves_out_warmup_passes_where_a_pod_served_live() -> None:
+    # A pod that just started has only its warm-up passes, timed beside other starting pods.
+    warm = profile_doc(10.0)
+    busy = profile_doc(1.0, sizes=(1, 2))
+    for p in warm["points"]:
+        p["source"] = "warmup"
+    for p in busy["points"]:
+        p["source"] = "live"
+    merged = merge_profiles([warm, busy])
+    by_size = {p.batch_size: p for p in merged.points}
+    assert by_size[1].p50 == pytest.approx(1.25e-3) and by_size[1].source == "live"
+    assert by_size[4].p50 == pytest.approx(20e-3)  # no pod served 4 rows live: the warm-up stands in
+    assert by_size[4].source is None
 
 
 # --------------------------------------------------------------------------- recommend

@@ -200,6 +200,10 @@ def test_live_profile_prefers_live_samples_and_is_a_latency_profile() -> None:
     parsed = LatencyProfile.model_validate(doc)  # the format `batchpilot profile` writes
     assert parsed.exec_time(1, "p50") == pytest.approx(0.003)
     assert parsed.model.source == "builtin:tiny-mlp"
+    # The simulator reads the mean (a busy period lasts the sum of its passes); the merge keeps
+    # live points over warm-up ones.
+    assert parsed.quantile == "mean" and parsed.exec_time(1) == pytest.approx(0.003)
+    assert [p.source for p in parsed.points] == ["live", "warmup"]
 
 
 # ----------------------------------------------------------------------------- cut delay

@@ -20,9 +20,12 @@ Merging:
   earliest snapshot. A request of ``r`` rows counts as ``r`` one-row arrivals at the same instant
   (the simulator batches rows; a multi-row request is never split in the runtime, so this is
   slightly optimistic for lanes with large requests; the report says the mean rows/request);
-* profiles: per batch size, the slowest pod's p50/p90/p99/mean (conservative: the p99 is set by
-  the slowest replica), samples summed; the largest ``dispatchDelay`` (each pod's median batch
-  cut delay, which the simulator adds to every dispatch).
+* profiles: per batch size, the pods' statistics pooled (weighted by their samples) over the
+  pods that timed that size on live batches; warm-up passes (timed with idle gaps while the
+  pod started, often beside other starting pods: slower than a busy pod's back-to-back passes)
+  count only where no pod has live ones. The median ``dispatchDelay`` (each pod's median batch
+  cut delay, which the simulator adds to every dispatch). The runtime's profiles read the
+  ``mean`` column: a busy period lasts the sum of its passes, so the queue grows with their mean.
 
 The recommendation runs :func:`batchpilot_operator.tune.search.search` for the lane's SLO with
 the observed trace (time-scaled to the planned rate: observed x growth, or a given rate), and
@@ -40,6 +43,7 @@ error next to its predictions.
 from __future__ import annotations
 
 import math
+import statistics
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -277,7 +281,7 @@ def merge_traffic(captures: Sequence[PodCapture], lane: str) -> MergedTraffic:
 
 
 def merge_profiles(docs: Sequence[Mapping[str, Any]]) -> LatencyProfile:
-    """Per batch size, the slowest pod's times (samples summed); the first pod's model."""
+    """The pods' profiles pooled per batch size (see the module docstring); the first pod's model."""
     if not docs:
         raise CaptureError("no profiles to merge")
     profiles = [LatencyProfile.model_validate(dict(d)) for d in docs]
@@ -285,33 +289,42 @@ def merge_profiles(docs: Sequence[Mapping[str, Any]]) -> LatencyProfile:
     for prof in profiles:
         for point in prof.points:
             by_size.setdefault(point.batch_size, []).append(point)
-    points: list[ProfilePoint] = []
-    for size in sorted(by_size):
-        pts = by_size[size]
-        p50 = max(p.p50 for p in pts)
-        p99 = max(max(p.p99 for p in pts), p50)
-        p90s = [p.p90 for p in pts if p.p90 is not None]
-        p90 = min(max(max(p90s), p50), p99) if p90s else None
-        means = [p.mean for p in pts if p.mean is not None]
-        samples = [p.samples for p in pts if p.samples is not None]
-        points.append(
-            ProfilePoint(
-                batch_size=size,
-                p50=p50,
-                p90=p90,
-                p99=p99,
-                mean=max(means) if means else None,
-                samples=sum(samples) if samples else None,
-            )
-        )
+    points = [_pooled_point(size, by_size[size]) for size in sorted(by_size)]
     first = profiles[0]
     return first.model_copy(
         update={
             "points": points,
-            "dispatch_delay": max(p.dispatch_delay for p in profiles),
+            "dispatch_delay": statistics.median(p.dispatch_delay for p in profiles),
             "request_overhead": max(p.request_overhead for p in profiles),
-            "note": f"merged from {len(profiles)} pod(s): per batch size the slowest pod's times",
+            "note": f"merged from {len(profiles)} pod(s): per batch size the live samples of every pod, "
+            "pooled (warm-up passes only where no pod has live ones)",
         }
+    )
+
+
+def _pooled_point(size: int, pts: Sequence[ProfilePoint]) -> ProfilePoint:
+    """One batch size over pods: the sample-weighted average of each statistic over the pods' live
+    points (a pod that just started has only warm-up passes, timed while its neighbours started
+    too: they stand in only where no pod has served that size live)."""
+    live = [p for p in pts if p.source == "live"]
+    chosen = live or list(pts)
+    weights = [float(p.samples or 1) for p in chosen]
+
+    def pooled(values: Sequence[float]) -> float:
+        return sum(w * v for w, v in zip(weights, values, strict=True)) / sum(weights)
+
+    p50 = pooled([p.p50 for p in chosen])
+    p99 = max(pooled([p.p99 for p in chosen]), p50)
+    p90 = min(max(pooled([p.value("p90") for p in chosen]), p50), p99)
+    samples = [p.samples for p in chosen if p.samples is not None]
+    return ProfilePoint(
+        batch_size=size,
+        p50=p50,
+        p90=p90,
+        p99=p99,
+        mean=pooled([p.value("mean") for p in chosen]),
+        samples=sum(samples) if samples else None,
+        source="live" if live else None,
     )
 
 

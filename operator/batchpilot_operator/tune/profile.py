@@ -34,6 +34,7 @@ PROFILE_API_VERSION: Literal["batchpilot.dev/v1alpha1"] = "batchpilot.dev/v1alph
 PROFILE_KIND: Literal["LatencyProfile"] = "LatencyProfile"
 
 Quantile = Literal["p50", "p90", "p99", "mean"]
+PointSource = Literal["live", "warmup", "warmup+live"]
 
 
 class _Model(BaseModel):
@@ -60,6 +61,11 @@ class ProfilePoint(_Model):
     p99: Duration = Field(gt=0)
     mean: Duration | None = Field(default=None, gt=0)
     samples: int | None = Field(default=None, ge=1)
+    source: PointSource | None = Field(
+        default=None,
+        description="where a runtime's /admin/profile took the samples: live batches, or timed passes "
+        "at warm-up (slower than back-to-back live passes; a merge prefers live points)",
+    )
 
     @model_validator(mode="after")
     def _ordered(self) -> ProfilePoint:
