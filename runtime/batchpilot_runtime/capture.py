@@ -15,10 +15,13 @@
   live batches (the last ``per_size`` samples of each size), rendered in the format
   ``batchpilot profile`` writes (a ``LatencyProfile``), so the profile comes from the hardware
   the pod really runs on.
-* :class:`CutDelay`: how late each batch was cut compared with the dispatch rule
-  (``max(due, model free)``, what the tuner's simulator assumes): the load-dependent delay
-  when the event loop and the worker thread share few cores. Exported as the histogram
-  ``batchpilot_batch_cut_delay_seconds`` and summarised in the arrivals document.
+* :class:`RecentDurations`, of two kinds. Batch cut delays: how late each batch was cut
+  compared with the dispatch rule (``max(due, model free)``, what the tuner's simulator
+  assumes), the load-dependent delay when the event loop and the worker thread share few
+  cores; exported as the histogram ``batchpilot_batch_cut_delay_seconds`` and summarised in the
+  arrivals document. Request overhead: each served request's latency less its queue wait and
+  its batch's forward time (parsing, the hand-offs, the answer), whose mean is the profile's
+  ``requestOverhead``.
 * :class:`Capture`: one per runtime process; serves ``GET /admin/arrivals`` and
   ``GET /admin/profile`` on the metrics/admin side (next to ``/metrics``, not under ``/v2``).
 
@@ -48,7 +51,7 @@ DEFAULT_MAX_AGE = 3600.0
 PROFILE_SAMPLES_PER_SIZE = 256
 WARMUP_PASSES = 3
 """Timed passes per warm batch size at start-up (after the untimed warm-up pass)."""
-CUT_DELAY_SAMPLES = 4096
+RECENT_SAMPLES = 4096
 ARRIVAL_SLOT_BYTES = 12
 OUTCOME_SLOT_BYTES = 16
 SLOT_BYTES = ARRIVAL_SLOT_BYTES + OUTCOME_SLOT_BYTES
@@ -219,10 +222,11 @@ class LiveProfile:
         return out
 
 
-class CutDelay:
-    """Recent cut delays of batches (seconds), for the summary; the histogram is in metrics."""
+class RecentDurations:
+    """The last ``keep`` values of one duration (seconds), for a summary: batch cut delays (their
+    histogram is in metrics), the time requests spend outside the queue and the model."""
 
-    def __init__(self, keep: int = CUT_DELAY_SAMPLES) -> None:
+    def __init__(self, keep: int = RECENT_SAMPLES) -> None:
         self.samples: deque[float] = deque(maxlen=keep)
         self.total = 0
 
@@ -287,7 +291,8 @@ class Capture:
         self.capacity = capacity
         self.max_age = max_age
         self.profile = LiveProfile()
-        self.cut = [CutDelay() for _ in cfg.lanes]
+        self.cut = [RecentDurations() for _ in cfg.lanes]
+        self.overhead = RecentDurations()  # per served request: latency - queue wait - its batch's forward time
         self.started = wall()
         self._clock = clock
         self._wall = wall
@@ -385,6 +390,7 @@ class Capture:
         sources = sorted({p["source"] for p in points})
         delays = sorted(x for cut in self.cut for x in list(cut.samples))
         dispatch_delay = _quantile(delays, 0.5) if delays else 0.0
+        overhead = self.overhead.summary()
         return {
             "apiVersion": CAPTURE_API_VERSION,
             "kind": "LatencyProfile",
@@ -393,7 +399,10 @@ class Capture:
             # mean per batch size: a tail column (p90) for every pass overstates a busy period's
             # backlog (bench/results/latency_model_grid.json measures both).
             "quantile": "mean",
-            "requestOverhead": "0s",
+            # The mean time a served request spent outside the queue and the model (parsing, the
+            # hand-offs between the loop, the worker and the model process, the answer): the
+            # simulator adds it to every request.
+            "requestOverhead": format_duration(max(overhead["mean"], 0.0)) if overhead["samples"] else "0s",
             # The median batch cut delay over all lanes: the simulator delays every dispatch by it.
             "dispatchDelay": format_duration(dispatch_delay),
             "points": points,

@@ -46,7 +46,7 @@ class State(enum.IntEnum):
 class Pending:
     """One admitted request: its rows, its timing and the future its handler awaits."""
 
-    __slots__ = ("arrival", "data", "dispatched_at", "future", "lane", "rows", "state", "tenant", "timer")
+    __slots__ = ("arrival", "data", "dispatched_at", "exec_s", "future", "lane", "rows", "state", "tenant", "timer")
 
     def __init__(
         self,
@@ -65,6 +65,7 @@ class Pending:
         self.future = future
         self.state = State.QUEUED
         self.dispatched_at = 0.0
+        self.exec_s = 0.0  # its batch's forward time, once run (the runtime's overhead accounting)
         self.timer: Any = None
 
 

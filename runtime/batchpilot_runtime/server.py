@@ -185,6 +185,8 @@ class Runtime:
                 self.capture.cut[batch.lane.index].add(batch.cut_delay)
         if output is not None:
             self.capture.profile.add_live(batch.rows, exec_s)
+            for r in batch.requests:
+                r.exec_s = exec_s
         assert self.loop is not None
         self.loop.call_soon_threadsafe(self._deliver, batch, output, error)
 
@@ -466,6 +468,9 @@ class Runtime:
         latency.observe(elapsed)
         wait = req.dispatched_at - arrival if req.dispatched_at > 0 else elapsed
         self.capture.record_outcome(idx, arrival, elapsed if kind == _OK else FAILED, wait)
+        if kind == _OK:
+            # Outside the queue and the model: parsing, the hand-offs, the answer (the profile's requestOverhead).
+            self.capture.overhead.add(elapsed - wait - req.exec_s)
         # The server's own view of the request's time (W3C Server-Timing): from the handler's
         # start to the answer, what requestTimeout bounds; a client's measurement adds transit.
         resp.headers["Server-Timing"] = f"total;dur={elapsed * 1000:.3f}"

@@ -4,6 +4,7 @@ the admin endpoints of a real runtime process (real torch, real HTTP)."""
 from __future__ import annotations
 
 import asyncio
+import statistics
 import json
 import math
 import os
@@ -322,6 +323,18 @@ def test_profile_endpoint_serves_a_latency_profile_from_warmup_and_live(server: 
     assert all(p.samples is not None and p.samples >= 3 for p in profile.points)
     status, raw = server.get("/admin/profile?format=yaml")
     assert status == 200 and raw.startswith(b"apiVersion: batchpilot.dev/v1alpha1")
+
+
+def test_profile_states_the_time_requests_spend_outside_the_queue_and_the_model(server: Server) -> None:
+    asyncio.run(send(server, [("interactive", 1)] * 40))
+    _, doc = get_json(server, "/admin/profile")
+    overhead = LatencyProfile.model_validate(doc).request_overhead
+    _, arrivals = get_json(server, "/admin/arrivals?lane=interactive&since=1h")
+    outcomes = arrivals["lanes"][0]["outcomes"]
+    served = [(lat, wait) for lat, wait in zip(outcomes["latency"], outcomes["queueWait"], strict=True) if lat >= 0]
+    assert len(served) >= 40
+    # A part of every served request's latency, beyond its queue wait (the batch's pass is the rest).
+    assert 0 < overhead < statistics.fmean(lat - wait for lat, wait in served)
 
 
 def test_cut_delay_is_exported(server: Server) -> None:
