@@ -24,8 +24,10 @@ Merging:
   pods that timed that size on live batches; warm-up passes (timed with idle gaps while the
   pod started, often beside other starting pods: slower than a busy pod's back-to-back passes)
   count only where no pod has live ones. The median ``dispatchDelay`` (each pod's median batch
-  cut delay, which the simulator adds to every dispatch). The runtime's profiles read the
-  ``mean`` column: a busy period lasts the sum of its passes, so the queue grows with their mean.
+  cut delay, which the simulator adds to every dispatch) and the median ``requestOverhead``
+  (each pod's mean time of a served request outside the queue and the model). The runtime's
+  profiles read the ``mean`` column: a busy period lasts the sum of its passes, so the queue
+  grows with their mean.
 
 The recommendation runs :func:`batchpilot_operator.tune.search.search` for the lane's SLO with
 the observed trace (time-scaled to the planned rate: observed x growth, or a given rate), and
@@ -295,7 +297,7 @@ def merge_profiles(docs: Sequence[Mapping[str, Any]]) -> LatencyProfile:
         update={
             "points": points,
             "dispatch_delay": statistics.median(p.dispatch_delay for p in profiles),
-            "request_overhead": max(p.request_overhead for p in profiles),
+            "request_overhead": statistics.median(p.request_overhead for p in profiles),
             "note": f"merged from {len(profiles)} pod(s): per batch size the live samples of every pod, "
             "pooled (warm-up passes only where no pod has live ones)",
         }
