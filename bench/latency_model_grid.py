@@ -97,23 +97,26 @@ def spearman(xs: list[float], ys: list[float]) -> float | None:
     return round(cov / den, 3) if den > 0 else None
 
 
-def server_check(rt: tv.Runtime, since: float, profiles: dict[str, LatencyProfile]) -> dict[str, Any]:
+def server_check(
+    rt: tv.Runtime, since: float, profiles: dict[str, LatencyProfile]
+) -> tuple[dict[str, Any], dict[str, Any]]:
     """The model's p99 for the arrivals the server recorded vs the server's own p99 for them, with
-    each offline profile and with the runtime's own ``/admin/profile`` (``live``: what the
-    operator's calibration uses)."""
+    each given profile and with the runtime's own ``/admin/profile`` of this run (``live``); and
+    that live profile's document (a later run's out-of-sample profile)."""
     doc = tv.fetch_json(f"{rt.url}/admin/arrivals?since={since:.1f}s")
-    live = LatencyProfile.model_validate(tv.fetch_json(f"{rt.url}/admin/profile"))
+    live_doc = tv.fetch_json(f"{rt.url}/admin/profile")
+    live = LatencyProfile.model_validate(live_doc)
     traffic = merge_traffic([parse_capture(doc, "bench")], "interactive")
     out: dict[str, Any] = {}
     for name, profile in {**profiles, "live": live}.items():
         cal = calibrate(traffic, profile, LaneCalibration())
         got = cal.last
         if got is None:
-            return {"skipped": cal.skipped}
+            return {"skipped": cal.skipped}, live_doc
         out["requests"] = got.requests
         out["observed_p99_ms"] = tv._ms(got.observed_p99)
         out[name] = {"predicted_p99_ms": tv._ms(got.predicted_p99), "error": round(got.raw_error, 3)}
-    return out
+    return out, live_doc
 
 
 def run_once(
@@ -122,7 +125,7 @@ def run_once(
     settings: LaneSettings,
     offsets: list[float],
     profiles: dict[str, LatencyProfile],
-) -> dict[str, Any]:
+) -> tuple[dict[str, Any], dict[str, Any]]:
     body = benchlib.mlp_body(1)
     rt = tv.Runtime(tmp, args.source, args.threads, settings)
     try:
@@ -131,10 +134,10 @@ def run_once(
         tv.replay(rt, [k * 0.02 for k in range(50)], body)  # warm up
         started = time.time()
         res = tv.replay(rt, offsets, body)
-        check = server_check(rt, time.time() - started, profiles)
+        check, live_doc = server_check(rt, time.time() - started, profiles)
     finally:
         rt.stop()
-    return {
+    run = {
         "client_p99_ms": tv._num(res["slo_p99_ms"]),
         "client_p50_ms": tv._num(res["latency_ms"]["p50"]),
         "errors": res["errors"],
@@ -142,6 +145,32 @@ def run_once(
         "server": check,
         "loadavg_1m": round(os.getloadavg()[0], 2),
     }
+    return run, live_doc
+
+
+def server_row(runs: list[dict[str, Any]]) -> dict[str, Any]:
+    """Per profile: the median over the repeats of the model's p99 on the arrivals the server saw,
+    against the median of the server's own p99; the server-side noise floor beside it."""
+    checks = [r["server"] for r in runs if "observed_p99_ms" in r["server"]]
+    if not checks:
+        return {}
+    observed = [c["observed_p99_ms"] for c in checks]
+    med = statistics.median(observed)
+    out: dict[str, Any] = {
+        "observed_p99_ms": {"median": med, "min": min(observed), "max": max(observed)},
+        "noise_floor": round((max(observed) - min(observed)) / med, 3) if med else None,
+        "predicted_p99_ms": {},
+        "error": {},
+    }
+    names = sorted({n for c in checks for n in c} - {"requests", "observed_p99_ms"})
+    for name in names:
+        # A profile given to only some runs (live_previous) is compared over those runs.
+        pairs = [(c[name]["predicted_p99_ms"], c["observed_p99_ms"]) for c in checks if name in c]
+        p = statistics.median(pred for pred, _ in pairs)
+        seen = statistics.median(obs for _, obs in pairs)
+        out["predicted_p99_ms"][name] = p
+        out["error"][name] = round(p / seen - 1, 3) if seen else None
+    return out
 
 
 def summarize(rows: list[dict[str, Any]]) -> dict[str, Any]:
@@ -168,6 +197,15 @@ def summarize(rows: list[dict[str, Any]]) -> dict[str, Any]:
             out[f"client_{name}"] = stats(
                 [(r["predicted_p99_ms_by_profile"][name], r["measured_p99_ms"]["median"]) for r in ok],
                 [r["error_by_profile"][name] for r in ok],
+            )
+        srv = [r for r in sel if r.get("server_row", {}).get("error")]
+        sfloors = [r["server_row"]["noise_floor"] for r in srv if r["server_row"]["noise_floor"] is not None]
+        out["server_median_noise_floor"] = round(statistics.median(sfloors), 3) if sfloors else None
+        for name in sorted({n for r in srv for n in r["server_row"]["error"]}):
+            ok = [r for r in srv if r["server_row"]["error"].get(name) is not None]
+            out[f"server_row_{name}"] = stats(
+                [(r["server_row"]["predicted_p99_ms"][name], r["server_row"]["observed_p99_ms"]["median"]) for r in ok],
+                [r["server_row"]["error"][name] for r in ok],
             )
         for name in sel[0]["server_error_median"] if sel else ():
             errs = [r["server_error_median"][name] for r in sel if r["server_error_median"].get(name) is not None]
@@ -240,6 +278,8 @@ def main() -> int:
         for name, prof in offline.items():
             overheads[name] = steady.overhead(prof)
             profiles[name] = prof.model_copy(update={"request_overhead": overheads[name], "quantile": "p90"})
+            # The same passes read by their mean (what the runtime's own profile states).
+            profiles[f"{name}_mean"] = profiles[name].model_copy(update={"quantile": "mean"})
         profile = profiles["gap"]
         log(f"request overhead {overheads}")
         capacity: dict[LaneSettings, dict[str, float]] = {}
@@ -253,13 +293,21 @@ def main() -> int:
                 closed = benchlib.closed_loop(
                     rt.infer_url, body, max(4, 2 * settings.max_batch_size), args.capacity_seconds
                 )
+                saturated = LatencyProfile.model_validate(tv.fetch_json(f"{rt.url}/admin/profile"))
             finally:
                 rt.stop()
+            b = settings.max_batch_size
             capacity[settings] = {
                 "measured_rps": round(float(closed["ok_per_s"]), 1),
-                "model_ceiling_rps": round(settings.max_batch_size / table[settings.max_batch_size], 1),
+                "model_ceiling_rps": round(b / table[b], 1),
+                "model_ceiling_rps_by_profile": {
+                    name: round(b / prof.exec_time(b), 1) for name, prof in profiles.items()
+                },
+                # The runtime's own mean pass at that size while saturated (in-sample: the same run).
+                "live_ceiling_rps": round(b / saturated.exec_time(b), 1),
             }
             log(f"B={settings.max_batch_size} W={format_duration(settings.max_queue_delay)}: {capacity[settings]}")
+        previous_live: dict[LaneSettings, LatencyProfile] = {}
         for trace_name in args.traces.split(","):
             trace = all_traces[trace_name]
             for settings in settings_list:
@@ -280,7 +328,17 @@ def main() -> int:
                         for name, prof in profiles.items()
                     }
                     offsets = [round(t, 6) for t in arrivals]
-                    runs = [run_once(tmp, args, settings, offsets, profiles) for _ in range(args.repeats)]
+                    # Out of sample, as the operator's live path: each run is also predicted with the
+                    # profile the runtime measured in the *previous* run at this setting (the
+                    # previous load's last run for the first repeat; none for the first row).
+                    runs = []
+                    for _ in range(args.repeats):
+                        given = dict(profiles)
+                        if settings in previous_live:
+                            given["live_previous"] = previous_live[settings]
+                        run, live_doc = run_once(tmp, args, settings, offsets, given)
+                        previous_live[settings] = LatencyProfile.model_validate(live_doc)
+                        runs.append(run)
                     p99s = [r["client_p99_ms"] for r in runs if r["client_p99_ms"]]
                     med = statistics.median(p99s) if p99s else None
                     predicted = predicted_by["gap"]
@@ -314,6 +372,7 @@ def main() -> int:
                         "server_error_median": {
                             name: round(statistics.median(v), 3) if v else None for name, v in server_errors.items()
                         },
+                        "server_row": server_row(runs),
                         "runs": runs,
                     }
                     rows.append(row)
@@ -321,7 +380,7 @@ def main() -> int:
                         f"{trace_name} B={settings.max_batch_size} W={format_duration(settings.max_queue_delay)} "
                         f"{load:.0%} ({rate:.1f} req/s): predicted {predicted} ms, measured {p99s} ms "
                         f"(noise floor {row['noise_floor']}), error {row['error_by_profile']}, "
-                        f"server error {row['server_error_median']}"
+                        f"server error {row['server_row'].get('error')}"
                     )
     out = {
         "command": " ".join(sys.argv),
