@@ -14,6 +14,7 @@ pod proxy (``pods/proxy``), so they are plain GETs without side effects.
 
 from __future__ import annotations
 
+import logging
 import os
 import time
 from collections.abc import Sequence
@@ -27,21 +28,39 @@ from batchpilot_runtime.capture import LiveProfile
 from batchpilot_runtime.config import parse_duration
 from batchpilot_runtime.protocol import error_body
 
+log = logging.getLogger(__name__)
+
 JSON = "application/json"
 
 
-def profile_warmup(model: Any, sizes: Sequence[int], passes: int, profile: LiveProfile) -> None:
-    """Time ``passes`` forward passes at each warm size, the way the batch worker runs them."""
+def profile_warmup(
+    model: Any, sizes: Sequence[int], passes: int, profile: LiveProfile, beyond: Sequence[int] = ()
+) -> None:
+    """Time ``passes`` forward passes at each warm size, the way the batch worker runs them; then
+    at each size of ``beyond`` (larger than any lane serves: one untimed pass first, and the first
+    size that fails, out of memory for one, ends them without failing the start)."""
     import numpy as np
 
     row = model.example(1)
+
+    def timed(b: int) -> float:
+        parts = [row] * b
+        t0 = time.perf_counter()
+        x = parts[0] if b == 1 else np.concatenate(parts)
+        model.run(x)
+        return time.perf_counter() - t0
+
     for _ in range(passes):
         for b in sizes:
-            parts = [row] * b
-            t0 = time.perf_counter()
-            x = parts[0] if b == 1 else np.concatenate(parts)
-            model.run(x)
-            profile.add_warmup(b, time.perf_counter() - t0)
+            profile.add_warmup(b, timed(b))
+    for b in beyond:
+        try:
+            timed(b)
+            for _ in range(passes):
+                profile.add_warmup(b, timed(b))
+        except Exception as exc:  # a size no lane serves: its failure must not fail the pod
+            log.warning("live profile stops at %d rows: a %d-row pass failed: %s", b // 2, b, exc)
+            return
 
 
 def _error(status: int, message: str) -> web.Response:

@@ -17,6 +17,7 @@ import asyncio
 import contextlib
 import importlib
 import logging
+import math
 import os
 import signal
 import sys
@@ -44,7 +45,7 @@ from batchpilot_runtime.protocol import (
 )
 from batchpilot_runtime.scheduler import Batch, Pending, QueueFull, State
 from batchpilot_runtime.shedding import RetryAfter
-from batchpilot_runtime.tensors import ServedModel, TensorSpec, warmup_sizes
+from batchpilot_runtime.tensors import ServedModel, TensorSpec, profile_beyond_sizes, warmup_sizes
 
 log = logging.getLogger("batchpilot.runtime")
 
@@ -130,7 +131,10 @@ class Runtime:
             loaded = LoadedModel(self.cfg.model)
             loaded.warmup(sizes)
             model = loaded
-        admin.profile_warmup(model, sizes, WARMUP_PASSES, self.capture.profile)
+        maxima = [lane.max_batch_size for lane in self.cfg.lanes]
+        row_bytes = sum(math.prod(t.row_shape) * np.dtype(t.numpy_dtype).itemsize for t in (model.input, model.output))
+        beyond = profile_beyond_sizes(maxima, row_bytes)
+        admin.profile_warmup(model, sizes, WARMUP_PASSES, self.capture.profile, beyond)
         self.model = model
 
     async def start(self) -> None:

@@ -40,6 +40,32 @@ def warmup_sizes(max_batch_sizes: list[int]) -> list[int]:
     return sorted(sizes)
 
 
+PROFILE_BEYOND: int = 4
+"""The live profile also times batches up to this times the largest lane maximum (powers of two)..."""
+PROFILE_BEYOND_CAP: int = 256
+"""... and no larger than this many rows ..."""
+PROFILE_BEYOND_BYTES: int = 16 << 20
+"""... nor than this many bytes of input and output (a pod's /dev/shm is often 64 MiB)."""
+
+
+def profile_beyond_sizes(max_batch_sizes: list[int], row_bytes: int = 0) -> list[int]:
+    """Batch sizes past every lane's maximum that the live profile times at start (never served):
+    the tuner then has measured points for the larger settings it may recommend, instead of
+    extrapolating. Powers of two up to ``PROFILE_BEYOND`` x the largest maximum, capped in rows
+    and, with ``row_bytes`` (one row's input and output), in bytes."""
+    top = max(max_batch_sizes)
+    limit = min(top * PROFILE_BEYOND, PROFILE_BEYOND_CAP)
+    if row_bytes > 0:
+        limit = min(limit, PROFILE_BEYOND_BYTES // row_bytes)
+    out: list[int] = []
+    p = 1
+    while p <= limit:
+        if p > top:
+            out.append(p)
+        p *= 2
+    return out
+
+
 class ServedModel(Protocol):
     """What the server needs of a model: ``models.LoadedModel`` (in this process) or
     ``modelproc.ModelProcess`` (in its own)."""

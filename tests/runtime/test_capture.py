@@ -4,10 +4,10 @@ the admin endpoints of a real runtime process (real torch, real HTTP)."""
 from __future__ import annotations
 
 import asyncio
-import statistics
 import json
 import math
 import os
+import statistics
 from collections.abc import Iterator
 from typing import Any
 
@@ -318,8 +318,9 @@ def test_profile_endpoint_serves_a_latency_profile_from_warmup_and_live(server: 
     profile = LatencyProfile.model_validate(doc)
     assert profile.model.source == "python:bp_rt_models:testmodel"
     assert profile.model.device == "cpu" and profile.model.threads == 1
-    # warm-up timed every warm size (1..16, 32 for the lanes' maxima 8 and 32)
-    assert {1, 8, 16, 32} <= set(profile.batch_sizes)
+    # warm-up timed every warm size (1..16, 32 for the lanes' maxima 8 and 32), and sizes past
+    # them for the tuner's larger candidates (up to 4 x 32)
+    assert {1, 8, 16, 32, 64, 128} <= set(profile.batch_sizes)
     assert all(p.samples is not None and p.samples >= 3 for p in profile.points)
     status, raw = server.get("/admin/profile?format=yaml")
     assert status == 200 and raw.startswith(b"apiVersion: batchpilot.dev/v1alpha1")

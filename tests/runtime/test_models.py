@@ -9,9 +9,11 @@ import numpy as np
 import pytest
 import torch
 
+from batchpilot_runtime.admin import profile_warmup
+from batchpilot_runtime.capture import LiveProfile
 from batchpilot_runtime.config import ModelConfig
 from batchpilot_runtime.models import LoadedModel, build_builtin
-from batchpilot_runtime.tensors import warmup_sizes
+from batchpilot_runtime.tensors import profile_beyond_sizes, warmup_sizes
 
 sys.path.insert(0, str(Path(__file__).parent))
 
@@ -62,3 +64,26 @@ def test_bfloat16_dtype_runs_and_returns_float32() -> None:
 def test_warmup_sizes_cover_small_sizes_powers_of_two_and_lane_maxima() -> None:
     assert warmup_sizes([4]) == [1, 2, 3, 4]
     assert warmup_sizes([100, 8]) == [*range(1, 17), 32, 64, 100]
+
+
+def test_the_live_profile_times_batches_past_the_lanes_maxima_within_caps() -> None:
+    assert profile_beyond_sizes([8]) == [16, 32]
+    assert profile_beyond_sizes([100, 8]) == [128, 256]  # 4 x 100, capped at 256 rows
+    assert profile_beyond_sizes([256]) == []
+    assert profile_beyond_sizes([8], row_bytes=1 << 20) == [16]  # 16 MiB of input and output
+
+
+def test_a_failed_pass_past_the_maxima_ends_the_extra_profile_not_the_start() -> None:
+    class Model:
+        def example(self, rows: int) -> np.ndarray:
+            return np.zeros((rows, 4), dtype=np.float32)
+
+        def run(self, x: np.ndarray) -> np.ndarray:
+            if x.shape[0] > 16:
+                raise MemoryError("CUDA out of memory")
+            return x
+
+    prof = LiveProfile()
+    profile_warmup(Model(), [1, 8], 3, prof, beyond=[16, 32, 64])
+    warm, _ = prof.samples()
+    assert sorted(warm) == [1, 8, 16] and len(warm[16]) == 3
