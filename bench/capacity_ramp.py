@@ -1,0 +1,236 @@
+"""Capacity under an SLO, predicted and measured by a ramp; the recommended setting against the grid's best.
+
+"Capacity" here is what ``batchpilot tune`` and ``recommend`` state: the highest rate at which a
+setting keeps the p99 latency under the SLO on a given arrival shape. For each trace and each
+batching setting of the grid:
+
+* **predicted**: the tuner's search restricted to that one setting (margin 0), on the trace
+  slice, with each profile: ``gap_mean`` (``batchpilot profile`` with idle gaps, read by its
+  mean) and ``live`` (the runtime's own ``/admin/profile`` from the runs at ``--current``: the
+  pods' profile, what the live path uses for every candidate);
+* **measured**: a ramp of fresh runtimes replaying the same slice open-loop, the rate rising by
+  ``--step`` from half the ``gap_mean`` prediction until the server's own p99 (its outcome
+  record, what Prometheus and the SLO read) breaches twice in a row, then bisected
+  ``--bisect`` times between the last pass and the first breach. Capacity is the highest
+  passing rate (below the first breach).
+
+Then per trace: the **recommended** setting (highest predicted capacity under the SLO less
+``--margin``, 0.2 as ``tune`` and ``recommend`` default, each profile) and
+whether it meets the SLO wherever any setting does, and its measured capacity against the grid's
+best measured capacity (target: within 10%).
+
+Usage: .venv/bin/python bench/capacity_ramp.py [--requests 600] --out bench/results/capacity_ramp.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+BENCH = Path(__file__).resolve().parent
+sys.path.insert(0, str(BENCH))
+
+import benchlib  # noqa: E402
+import latency_model_grid as grid  # noqa: E402
+import tune_validation as tv  # noqa: E402
+from batchpilot_operator.tune.profile import LatencyProfile  # noqa: E402
+from batchpilot_operator.tune.search import SLOTargets, search  # noqa: E402
+from batchpilot_operator.tune.simulator import LaneSettings  # noqa: E402
+from batchpilot_operator.tune.trace import Trace  # noqa: E402
+from batchpilot_runtime.config import format_duration, parse_duration  # noqa: E402
+
+
+def log(msg: str) -> None:
+    print(f"[capacity_ramp {time.strftime('%H:%M:%S')}] {msg}", file=sys.stderr, flush=True)
+
+
+def predicted_capacity(
+    trace: Trace, profile: LatencyProfile, settings: LaneSettings, slo: float, margin: float = 0.0
+) -> float:
+    """The tuner's capacity for exactly this setting under the SLO less ``margin``."""
+    got = search(
+        trace,
+        profile,
+        SLOTargets(p99_latency=slo, queue_age=slo, margin=margin),
+        batch_sizes=[settings.max_batch_size],
+        windows=[settings.max_queue_delay],
+        max_queue_length=settings.max_queue_length,
+        request_timeout=settings.request_timeout,
+    )
+    return float(got.capacity)
+
+
+class Ramp:
+    """Measured p99 (server side) of one setting at rising rates."""
+
+    def __init__(self, tmp: Path, args: argparse.Namespace, trace: Trace, settings: LaneSettings) -> None:
+        self.tmp, self.args, self.trace, self.settings = tmp, args, trace, settings
+        self.points: list[dict[str, Any]] = []
+        self.live_doc: dict[str, Any] | None = None
+        self.capped = False
+
+    def p99_at(self, rate: float) -> float | None:
+        offsets = [round(t, 6) for t in self.trace.scaled_arrivals(rate)]
+        run, live_doc = grid.run_once(self.tmp, self.args, self.settings, offsets, {})
+        self.live_doc = self.live_doc or live_doc
+        p99 = run["server"].get("observed_p99_ms")
+        self.points.append(
+            {"rate_rps": round(rate, 2), "server_p99_ms": p99, "client_p99_ms": run["client_p99_ms"],
+             "send_lag_p99_ms": run["send_lag_p99_ms"]}
+        )  # fmt: skip
+        return p99
+
+    def capacity(self, start: float, slo_ms: float) -> float | None:
+        """Highest passing rate below the first breach (None: even ``start`` breached twice)."""
+        rate, passed, failed, misses = min(start, self.args.max_rate), None, None, 0
+        while rate <= self.args.max_rate:
+            p99 = self.p99_at(rate)
+            if p99 is not None and p99 <= slo_ms:
+                passed, misses = rate, 0
+                if failed is not None:
+                    break
+            else:
+                failed = rate if failed is None or rate < failed else failed
+                misses += 1
+                if misses >= 2 or passed is not None:
+                    break
+            rate *= self.args.step if failed is None else 1 / self.args.step
+        if passed is None:
+            return None
+        if failed is None:
+            self.capped = True  # reached --max-rate without a breach: a lower bound
+            return passed
+        for _ in range(self.args.bisect):
+            mid = (passed * failed) ** 0.5
+            p99 = self.p99_at(mid)
+            if p99 is not None and p99 <= slo_ms:
+                passed = mid
+            else:
+                failed = mid
+        return passed
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--requests", type=int, default=600)
+    ap.add_argument("--code-start", type=int, default=2000)
+    ap.add_argument("--settings", default="1:1ms,4:2ms,8:2ms,16:5ms,32:10ms,64:20ms")
+    ap.add_argument("--current", default="8:2ms", help="the setting whose runtime profile is the live path's")
+    ap.add_argument("--slo", default="code=150ms,conversation=40ms", help="p99 SLO per trace")
+    ap.add_argument("--traces", default="code,conversation")
+    ap.add_argument(
+        "--margin", type=float, default=0.2, help="the recommendation's margin under the SLO (tune's default)"
+    )
+    ap.add_argument("--step", type=float, default=1.2)
+    ap.add_argument("--bisect", type=int, default=2)
+    ap.add_argument("--max-rate", type=float, default=2500.0)
+    ap.add_argument("--source", default="builtin:mlp")
+    ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--calib-rate", type=float, default=20.0, help="the steady stream that measures request overhead")
+    ap.add_argument("--pin", choices=["auto", "on", "off"], default="auto")
+    ap.add_argument("--out")
+    args = ap.parse_args()
+    args.pin_cores = list(range(os.cpu_count() or 1)) if benchlib.pin_for_bench(args.pin) else []
+    slos = {k: parse_duration(v) for k, v in (x.split("=") for x in args.slo.split(","))}
+    settings_list = []
+    for spec in args.settings.split(","):
+        b, w = spec.split(":")
+        settings_list.append(LaneSettings(int(b), parse_duration(w), 100_000, 30.0))
+    cb, cw = args.current.split(":")
+    current = LaneSettings(int(cb), parse_duration(cw), 100_000, 30.0)
+    if current not in settings_list:
+        raise SystemExit(f"--current {args.current} is not in --settings")
+    started = time.time()
+    log("profiling the model in-process with idle gaps (batchpilot profile's way), read by its mean")
+    gap = tv.measure_profile(args.source, args.threads, [1, 2, 4, 8, 16, 32, 64], 40, gap=0.01)
+    all_traces = grid.traces(args.requests, args.code_start)
+    out_traces: dict[str, Any] = {}
+    with tempfile.TemporaryDirectory(prefix="bp-capacity-ramp-") as tmpdir:
+        tmp = Path(tmpdir)
+        body = benchlib.mlp_body(1)
+        gap_mean = gap.model_copy(
+            update={"quantile": "mean", "request_overhead": tv.SteadyStream(tmp, args, body).overhead(gap)}
+        )
+        for trace_name in args.traces.split(","):
+            trace, slo = all_traces[trace_name], slos[trace_name]
+            ramps = {s: Ramp(tmp, args, trace, s) for s in settings_list}
+            # The current setting first: its runtime's profile is the live path's for every candidate.
+            order = [current, *[s for s in settings_list if s != current]]
+            rows: dict[LaneSettings, dict[str, Any]] = {}
+            live: LatencyProfile | None = None
+            for s in order:
+                pred_gap = predicted_capacity(trace, gap_mean, s, slo)
+                pick_gap = predicted_capacity(trace, gap_mean, s, slo, args.margin)
+                measured = ramps[s].capacity(max(pred_gap * 0.5, 5.0), slo * 1e3)
+                if live is None:
+                    assert ramps[s].live_doc is not None
+                    live = LatencyProfile.model_validate(ramps[s].live_doc)
+                pred_live = predicted_capacity(trace, live, s, slo)
+                pick_live = predicted_capacity(trace, live, s, slo, args.margin)
+                rows[s] = {
+                    "setting": {"maxBatchSize": s.max_batch_size, "maxQueueDelay": format_duration(s.max_queue_delay)},
+                    "predicted_rps": {"gap_mean": round(pred_gap, 1), "live": round(pred_live, 1)},
+                    # What the recommendation ranks by: the capacity under the SLO less the margin.
+                    "predicted_rps_at_margin": {"gap_mean": round(pick_gap, 1), "live": round(pick_live, 1)},
+                    "measured_rps": round(measured, 1) if measured is not None else None,
+                    "measured_at_max_rate": ramps[s].capped,
+                    "error": {
+                        k: round(v / measured - 1, 3) if measured and not ramps[s].capped else None
+                        for k, v in (("gap_mean", pred_gap), ("live", pred_live))
+                    },
+                    "ramp": ramps[s].points,
+                }
+                log(f"{trace_name} SLO {slo * 1e3:g} ms B={s.max_batch_size} W={format_duration(s.max_queue_delay)}: "
+                    f"predicted {rows[s]['predicted_rps']} measured {rows[s]['measured_rps']} error {rows[s]['error']}")  # fmt: skip
+            measured_ok = {s: r["measured_rps"] for s, r in rows.items() if r["measured_rps"]}
+            best = max(measured_ok.values()) if measured_ok else None
+            rec: dict[str, Any] = {}
+            for name in ("gap_mean", "live"):
+                chosen = max(rows, key=lambda s, n=name: rows[s]["predicted_rps_at_margin"][n])  # type: ignore[misc]
+                got = rows[chosen]["measured_rps"]
+                rec[name] = {
+                    "setting": rows[chosen]["setting"],
+                    "measured_rps": got,
+                    # 1.0: the recommended setting meets the SLO at every rate any setting does.
+                    "of_best": round(got / best, 3) if got and best else None,
+                }
+            within = {
+                name: f"{sum(abs(e) <= 0.15 for e in errs)} of {len(errs)}"
+                for name in ("gap_mean", "live")
+                for errs in [[r["error"][name] for r in rows.values() if r["error"][name] is not None]]
+            }
+            out_traces[trace_name] = {
+                "slo_p99_ms": slo * 1e3,
+                "live_profile": live.model_dump(mode="json", by_alias=True, exclude_none=True) if live else None,
+                "settings": list(rows.values()),
+                "best_measured_rps": best,
+                "recommended": rec,
+                "within_15pct": within,
+            }
+    out = {
+        "command": " ".join(sys.argv),
+        "machine": {
+            "cores": os.cpu_count(),
+            "pinned": bool(args.pin_cores),
+            "loadavg_1m_end": round(os.getloadavg()[0], 2),
+        },
+        "elapsed_s": round(time.time() - started, 1),
+        "gap_mean_profile": gap_mean.model_dump(mode="json", by_alias=True, exclude_none=True),
+        "traces": out_traces,
+    }
+    print(
+        json.dumps({k: {kk: vv for kk, vv in v.items() if kk != "settings"} for k, v in out_traces.items()}, indent=2)
+    )
+    if args.out:
+        Path(args.out).write_text(json.dumps(out, indent=2))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
