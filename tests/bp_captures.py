@@ -5,7 +5,9 @@ from __future__ import annotations
 import random
 from typing import Any
 
+from batchpilot_operator.tune.live import lane_settings_from_spec, merge_profiles
 from batchpilot_operator.tune.profile import LatencyProfile
+from batchpilot_operator.tune.simulator import simulate
 
 LANE_SETTINGS = {"maxBatchSize": 4, "maxQueueDelay": "1ms", "maxQueueLength": 1000, "requestTimeout": "1s"}
 
@@ -81,3 +83,36 @@ def poisson(rate: float, seconds: float, seed: int = 1) -> list[float]:
         t += rng.expovariate(rate)
         out.append(t)
     return out
+
+
+def pods_doc(slowdown: float, rate: float = 100.0, seconds: float = 30.0, seed: int = 1) -> dict[str, Any]:
+    """One pod's capture whose requests took ``slowdown`` x what the model says for the same arrivals."""
+    times = poisson(rate, seconds, seed)
+    doc = capture_doc("a", times, window_start=1000.0, captured_at=1000.0 + seconds)
+    profile = merge_profiles([profile_doc(1.0)])
+    sim = simulate(
+        [t - 1000.0 for t in times],
+        lane_settings_from_spec(LANE_SETTINGS),
+        profile.exec_table(LANE_SETTINGS["maxBatchSize"]),
+        1,
+        "random",
+        0,
+        profile.request_overhead,
+        dispatch_delay=profile.dispatch_delay,
+    )
+    assert len(sim.latencies) == len(times)
+    base = times[0]
+    doc["lanes"][0]["outcomes"] = {
+        "recorded": len(times),
+        "times": [t - base for t in times],
+        "latency": [x * slowdown for x in sim.latencies],
+        "queueWait": [x * slowdown for x in sim.queue_waits],
+    }
+    return doc
+
+
+def revision_doc(revision: str, slowdown: float, seed: int) -> dict[str, Any]:
+    doc = pods_doc(slowdown, seed=seed)
+    doc["revision"] = revision
+    doc["pod"] = f"{revision}-pod"
+    return doc

@@ -100,6 +100,7 @@ from batchpilot_operator.stats import (
     count_above,
     fisher_greater,
 )
+from batchpilot_operator.tune.calibration import RevisionCheck
 
 LATENCY_METRIC = "batchpilot_request_latency_seconds"
 QUEUE_AGE_METRIC = "batchpilot_queue_age_seconds"
@@ -575,6 +576,13 @@ class AnalysisResult:
     underfed: str | None = None
     """Why this analysis could not pass the step with the canary fed less than the stable per
     pod and no later step feeding it (``fairness.judge_load``), with what to change."""
+    model: tuple[RevisionCheck, ...] = ()
+    """The latency model against each revision's pods over this window (``modelwatch``; only
+    with ``spec.tuning``, which lets the operator read the pods' arrivals): never a verdict."""
+
+    def model_checks(self, lane: str) -> dict[str, RevisionCheck]:
+        """Track -> the model's check of that lane (absent: not attempted)."""
+        return {m.track: m for m in self.model if m.lane == lane}
 
     @property
     def outcome(self) -> Outcome:

@@ -17,7 +17,7 @@ from typing import Any, Protocol
 
 from pydantic import ValidationError
 
-from batchpilot_operator import children, crashpoints, fairness, ledger, opmetrics, recommender, traffic
+from batchpilot_operator import children, crashpoints, fairness, ledger, modelwatch, opmetrics, recommender, traffic
 from batchpilot_operator.analysis import AnalysisResult, MetricsBackend, run_analysis
 from batchpilot_operator.children import LABEL_ENVIRONMENT, LABEL_REVISION, LABEL_TRACK, Manifest, Track
 from batchpilot_operator.kube import Kube, TransientKubeError, same_json
@@ -173,6 +173,8 @@ def reconcile(
                 now=now,
                 emit=emit,
             )
+        # With spec.tuning: the latency model beside each revision over the same window (no verdict).
+        analysis = modelwatch.attach(kube, spec, status, analysis, policy=name, namespace=namespace)
 
     trouble: dict[str, str] = {}
     tracks = pods_needed(spec, status, observed, now)

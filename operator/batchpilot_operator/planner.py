@@ -81,7 +81,7 @@ import math
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from datetime import UTC, datetime, timedelta
-from typing import Literal
+from typing import Any, Literal
 
 from batchpilot_operator.analysis import AnalysisResult, LaneVerdict, MetricCheck, Outcome, format_value
 from batchpilot_operator.fairness import fed_alike, gating_analyses
@@ -107,6 +107,7 @@ from batchpilot_operator.status import (
     trim_ledger,
 )
 from batchpilot_operator.traffic import RouteInputs, RouteObserved, RouteTarget, desired_route, split_for_routing
+from batchpilot_operator.tune.calibration import RevisionCheck
 
 ANNOTATION_PREFIX = "batchpilot.dev/"
 PAUSE_ANNOTATION = ANNOTATION_PREFIX + "pause"
@@ -661,6 +662,7 @@ class _Planner:
                         confidence_worse=c.confidence_worse,
                         confidence_over_budget=c.confidence_over_budget,
                         tenant=c.tenant,
+                        **(_model_entry(a, c.lane, c.metric) if owner is lane else {}),
                     )
                 )
             lat = lane.check("p99Latency")
@@ -692,6 +694,7 @@ class _Planner:
                     stable_rejected=_val(srej),
                     tenants=[_tenant_summary(sl) for sl in lane.slices] or None,
                     **_detectable(lat, slat, self.spec.rollout.confidence, gating_analyses(self.spec)),
+                    **_model_summary(a, lane.lane),
                 )
             )
         self.st.last_analysis = AnalysisSummary(
@@ -1122,6 +1125,45 @@ def resumed_by(resume: str | None, pause: str, rollout: RolloutState | None) -> 
 
 def _val(check: MetricCheck | None) -> float | None:
     return None if check is None else _json_float(check.value)
+
+
+def _predicted(m: RevisionCheck | None, metric: str) -> tuple[float | None, float | None]:
+    """(the model's value as shown, its error against the pods' own record) for one metric."""
+    c = m.check if m is not None else None
+    if c is None:
+        return None, None
+    if metric == "p99Latency":
+        return _json_float(c.predicted_p99 * c.correction), _json_float(c.error)
+    error = c.predicted_wait / c.observed_wait - 1 if c.observed_wait > 0 else math.nan
+    return _json_float(c.predicted_wait), _json_float(error)
+
+
+def _model_entry(a: AnalysisResult, lane: str, metric: str) -> dict[str, Any]:
+    """The ledger fields of the model's check beside a lane's p99 or queue-age entry (``modelwatch``)."""
+    got = a.model_checks(lane)
+    if not got or metric not in ("p99Latency", "queueAge"):
+        return {}
+    value, error = _predicted(got.get("canary"), metric)
+    stable_value, stable_error = _predicted(got.get("stable"), metric)
+    return {
+        "predicted_value": value,
+        "model_error": error,
+        "stable_predicted_value": stable_value,
+        "stable_model_error": stable_error,
+    }
+
+
+def _model_summary(a: AnalysisResult, lane: str) -> dict[str, Any]:
+    """The LaneSummary fields of the model's check of each track (``modelwatch``)."""
+    got = a.model_checks(lane)
+    if not got:
+        return {}
+    order = [got[t] for t in ("canary", "stable") if t in got]
+    return {
+        "predicted_p99_latency": _predicted(got.get("canary"), "p99Latency")[0],
+        "stable_predicted_p99_latency": _predicted(got.get("stable"), "p99Latency")[0],
+        "model": "model: " + "; ".join(m.describe() for m in order),
+    }
 
 
 def _detectable(

@@ -141,6 +141,12 @@ class LedgerEntry(_Model):
     confidence_worse: float | None = Field(default=None, alias="confidenceWorse")
     confidence_over_budget: float | None = Field(default=None, alias="confidenceOverBudget")
     tenant: str | None = Field(default=None, description="the tenant slice judged (absent: the lane's total)")
+    # The latency model's value for the same window at the traffic each revision really got, and
+    # its error against what the pods recorded (modelwatch; p99 and queue-age entries, with spec.tuning).
+    predicted_value: float | None = Field(default=None, alias="predictedValue")
+    model_error: float | None = Field(default=None, alias="modelError")
+    stable_predicted_value: float | None = Field(default=None, alias="stablePredictedValue")
+    stable_model_error: float | None = Field(default=None, alias="stableModelError")
 
 
 HistoryOutcome = Literal["Promoted", "RolledBack", "Superseded", "Aborted"]
@@ -218,6 +224,11 @@ class LaneSummary(_Model):
     )
     detects: str | None = None
     """The same in words, for ``kubectl batchpilot status``."""
+    predicted_p99_latency: float | None = Field(default=None, alias="predictedP99Latency")
+    """The latency model's p99 for the canary at the traffic it got in this window (``modelwatch``)."""
+    stable_predicted_p99_latency: float | None = Field(default=None, alias="stablePredictedP99Latency")
+    model: str | None = None
+    """The model's check of each track in words: predicted, observed by the pods, the error."""
 
 
 class TenantSummary(_Model):

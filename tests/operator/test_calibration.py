@@ -4,7 +4,6 @@ recommendation states them (pure: fake capture documents, the real simulator).""
 from __future__ import annotations
 
 import math
-from typing import Any
 
 import pytest
 
@@ -19,16 +18,15 @@ from batchpilot_operator.tune.calibration import (
     calibrations_from_status,
 )
 from batchpilot_operator.tune.live import (
+    check_revisions,
     lane_settings_from_spec,
-    merge_profiles,
     merge_traffic,
     parse_capture,
     recommend_lane,
     recommend_policy,
 )
 from batchpilot_operator.tune.search import SLOTargets
-from batchpilot_operator.tune.simulator import simulate
-from bp_captures import LANE_SETTINGS, PROFILE, capture_doc, poisson, profile_doc
+from bp_captures import LANE_SETTINGS, PROFILE, capture_doc, pods_doc, poisson, profile_doc, revision_doc
 
 SPEC: PolicySpec = parse_spec(
     {
@@ -37,32 +35,6 @@ SPEC: PolicySpec = parse_spec(
         "slo": {"p99Latency": "50ms", "maxQueueAge": "30ms"},
     }
 )
-
-
-def pods_doc(slowdown: float, rate: float = 100.0, seconds: float = 30.0, seed: int = 1) -> dict[str, Any]:
-    """One pod's capture whose requests took ``slowdown`` x what the model says for the same arrivals."""
-    times = poisson(rate, seconds, seed)
-    doc = capture_doc("a", times, window_start=1000.0, captured_at=1000.0 + seconds)
-    profile = merge_profiles([profile_doc(1.0)])
-    sim = simulate(
-        [t - 1000.0 for t in times],
-        lane_settings_from_spec(LANE_SETTINGS),
-        profile.exec_table(LANE_SETTINGS["maxBatchSize"]),
-        1,
-        "random",
-        0,
-        profile.request_overhead,
-        dispatch_delay=profile.dispatch_delay,
-    )
-    assert len(sim.latencies) == len(times)
-    base = times[0]
-    doc["lanes"][0]["outcomes"] = {
-        "recorded": len(times),
-        "times": [t - base for t in times],
-        "latency": [x * slowdown for x in sim.latencies],
-        "queueWait": [x * slowdown for x in sim.queue_waits],
-    }
-    return doc
 
 
 def test_the_model_against_itself_has_no_error_and_no_correction() -> None:
@@ -176,3 +148,39 @@ def test_recommend_lane_states_corrected_predictions() -> None:
     assert corrected.current.capacity < plain.current.capacity
     assert math.isfinite(corrected.current.capacity)
     assert any("correction x3" in n for n in corrected.notes), corrected.notes
+
+
+# --------------------------------------------------------------------------- per revision, per analysis
+
+
+def test_each_revision_is_checked_at_the_traffic_it_got() -> None:
+    # The canary's pods took 1.5x what the model says; the stable's what it says.
+    docs = [revision_doc("new", 1.5, seed=3), revision_doc("old", 1.0, seed=4)]
+    checks = check_revisions(docs, [profile_doc(1.0)] * 2, ["interactive"], {"new": "canary", "old": "stable"})
+    by_track = {c.track: c for c in checks}
+    canary, stable = by_track["canary"].check, by_track["stable"].check
+    assert canary is not None and stable is not None
+    assert canary.raw_error == pytest.approx(1 / 1.5 - 1, abs=0.01)
+    assert stable.raw_error == pytest.approx(0.0, abs=0.01)
+    assert "canary p99" in by_track["canary"].describe() and "-33%" in by_track["canary"].describe()
+
+
+def test_a_revision_check_applies_the_lanes_correction_as_shown() -> None:
+    docs = [revision_doc("old", 2.0, seed=5)]
+    (check,) = check_revisions(docs, [profile_doc(1.0)], ["interactive"], {"old": "stable"}, {"interactive": 2.0})
+    assert check.check is not None
+    assert check.check.raw_error == pytest.approx(-0.5, abs=0.01)
+    assert check.check.error == pytest.approx(0.0, abs=0.01)
+
+
+def test_a_revision_without_pods_or_traffic_says_why() -> None:
+    quiet = revision_doc("old", 1.0, seed=6)
+    quiet["lanes"][0]["times"] = quiet["lanes"][0]["times"][:50]
+    quiet["lanes"][0]["rows"] = quiet["lanes"][0]["rows"][:50]
+    for key in ("times", "latency", "queueWait"):
+        quiet["lanes"][0]["outcomes"][key] = quiet["lanes"][0]["outcomes"][key][:50]
+    checks = check_revisions([quiet], [profile_doc(1.0)], ["interactive"], {"new": "canary", "old": "stable"})
+    by_track = {c.track: c for c in checks}
+    assert by_track["canary"].check is None and "no ready pod of revision new" in by_track["canary"].skipped
+    assert by_track["stable"].check is None and f"fewer than {MIN_REQUESTS}" in by_track["stable"].skipped
+    assert "stable not checked" in by_track["stable"].describe()

@@ -8,6 +8,7 @@ the real verdict code (``analysis.verdicts``) from fake measurements.
 from __future__ import annotations
 
 import copy
+import dataclasses
 import math
 from datetime import UTC, datetime, timedelta
 from typing import Any
@@ -44,6 +45,7 @@ from batchpilot_operator.status import (
     Status,
     trim_ledger,
 )
+from batchpilot_operator.tune.calibration import Check, RevisionCheck
 from bptest import make_spec
 
 T0 = datetime(2026, 11, 30, 1, 0, 0, tzinfo=UTC)
@@ -1305,3 +1307,41 @@ def test_status_is_a_fixed_point_when_nothing_is_due() -> None:
     FixedPointSim.checked = 0
     decisions = _scenario(FixedPointSim(make_spec()))
     assert FixedPointSim.checked == len(decisions) > 30
+
+
+def test_the_models_check_of_each_revision_is_recorded_beside_the_verdict() -> None:
+    sim = healthy(make_spec(), roundtrip=True)
+    start_canary(sim, at(0), make_spec(batch=16))
+    assert sim.status.rollout is not None
+    canary, stable = analysis_target(sim.status) or ("", "")
+    plain = measured(sim.spec, sim.status, at(30))
+    checked = dataclasses.replace(
+        plain,
+        model=(
+            RevisionCheck(canary, "canary", "interactive", check=Check(0, 400, 0.090, 0.100, 0.020, 0.025, 1.0)),
+            RevisionCheck(stable, "stable", "interactive", skipped="120 answered requests in the window"),
+        ),
+    )
+    d = sim.plan(at(30), checked)
+    assert d.status.last_analysis is not None
+    (lane,) = d.status.last_analysis.lanes
+    assert lane.outcome == plain.outcome.value  # evidence beside the verdict, never part of it
+    assert lane.predicted_p99_latency == pytest.approx(0.090) and lane.stable_predicted_p99_latency is None
+    assert lane.model is not None and "canary p99 90 ms predicted, 100 ms observed (-10%" in lane.model
+    assert "stable not checked (120 answered requests" in lane.model
+    entries = {e.metric: e for e in d.status.ledger if e.kind == "Analysis" and e.revision == canary}
+    p99, qa = entries["p99Latency"], entries["queueAge"]
+    assert (p99.predicted_value, p99.model_error) == (pytest.approx(0.090), pytest.approx(-0.1))
+    assert (qa.predicted_value, qa.model_error) == (pytest.approx(0.020), pytest.approx(-0.2))
+    assert p99.stable_predicted_value is None and entries["errorRate"].predicted_value is None
+    dumped = Status.from_dict(d.status.to_dict())  # survives the status round trip
+    assert dumped.last_analysis is not None and dumped.last_analysis.lanes[0].model == lane.model
+    # and `kubectl batchpilot status` prints it under the analysis table
+    from rich.console import Console
+
+    from batchpilot_operator.oncall import render
+
+    obj = {"metadata": {"name": POLICY, "namespace": NS, "generation": 1}, "spec": {}, "status": d.status.to_dict()}
+    console = Console(width=200, record=True)
+    console.print(render.status_view(render.summary(obj)))
+    assert f"lane interactive: {lane.model}" in console.export_text()

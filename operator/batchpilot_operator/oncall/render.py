@@ -102,6 +102,12 @@ def summary(obj: dict[str, Any], decisions: int = 8) -> dict[str, Any]:
                 extra |= {"rejected": lane.rejected, "stableRejected": lane.stable_rejected}
             if lane.tenants:
                 extra["tenants"] = [t.model_dump(mode="json", by_alias=True) for t in lane.tenants]
+            if lane.model is not None:
+                extra |= {
+                    "predictedP99Latency": lane.predicted_p99_latency,
+                    "stablePredictedP99Latency": lane.stable_predicted_p99_latency,
+                    "model": lane.model,
+                }
             lanes.append(
                 extra
                 | {
@@ -268,6 +274,7 @@ def status_view(s: dict[str, Any]) -> RenderableType:
         sees = [
             f"lane {lane['lane']}: this rollout detects {lane['detects']}" for lane in s["lanes"] if lane["detects"]
         ]
+        sees += [f"lane {lane['lane']}: {lane['model']}" for lane in s["lanes"] if lane.get("model")]
         if sees:
             parts.append(Text("\n".join(sees)))
         tenant_rows = [(lane, t) for lane in s["lanes"] for t in lane.get("tenants") or []]

@@ -186,6 +186,27 @@ class LaneCalibration:
         return cls(checks[-KEEP:], str(d.get("skipped") or ""))
 
 
+@dataclass(frozen=True)
+class RevisionCheck:
+    """The model against one revision's pods over one analysis window, one lane: what the model
+    predicts at the traffic that revision really got, beside what its pods recorded."""
+
+    revision: str
+    track: str  # canary or stable
+    lane: str
+    check: Check | None = None
+    skipped: str = ""  # why there is no check
+
+    def describe(self) -> str:
+        c = self.check
+        if c is None:
+            return f"{self.track} not checked ({self.skipped})"
+        return (
+            f"{self.track} p99 {_ms_text(c.predicted_p99 * c.correction)} predicted, {_ms_text(c.observed_p99)} "
+            f"observed ({c.error:+.0%}, {c.requests} requests)"
+        )
+
+
 def calibrations_from_status(recommendation: Mapping[str, Any] | None) -> dict[str, LaneCalibration]:
     """Per lane, the calibration kept in ``status.recommendation.calibration``."""
     raw = (recommendation or {}).get("calibration") or {}
@@ -204,10 +225,12 @@ class Window:
     notes: list[str] = field(default_factory=list)
 
 
-def check_lane(window: Window, profile: LatencyProfile, correction: float) -> Check | str:
+def check_lane(
+    window: Window, profile: LatencyProfile, correction: float, min_requests: int = MIN_REQUESTS
+) -> Check | str:
     """The model's p99 for the window's arrivals against the pods' (a reason when no check is possible)."""
-    if window.observed.requests < MIN_REQUESTS:
-        return f"{window.observed.requests} answered requests in the window, fewer than {MIN_REQUESTS}"
+    if window.observed.requests < min_requests:
+        return f"{window.observed.requests} answered requests in the window, fewer than {min_requests}"
     if window.replicas < 1:
         return "no pod served the window"
     table = profile.exec_table(max(window.settings.max_batch_size, 1))

@@ -51,7 +51,14 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from batchpilot_operator.spec import PolicySpec
-from batchpilot_operator.tune.calibration import LaneCalibration, Observed, Window, check_lane
+from batchpilot_operator.tune.calibration import (
+    MIN_REQUESTS,
+    LaneCalibration,
+    Observed,
+    RevisionCheck,
+    Window,
+    check_lane,
+)
 from batchpilot_operator.tune.profile import LatencyProfile, ProfilePoint
 from batchpilot_operator.tune.search import SLOTargets, search
 from batchpilot_operator.tune.simulator import LaneSettings, simulate
@@ -594,6 +601,16 @@ def recommend_lane(
 
 def calibrate(traffic: MergedTraffic, profile: LatencyProfile, prior: LaneCalibration) -> LaneCalibration:
     """``prior`` with this window's check added (or the reason there is none)."""
+    return _calibrate(traffic, profile, prior, prior.correction)
+
+
+def _calibrate(
+    traffic: MergedTraffic,
+    profile: LatencyProfile,
+    prior: LaneCalibration,
+    correction: float,
+    min_requests: int = MIN_REQUESTS,
+) -> LaneCalibration:
     if traffic.outcomes is None:
         return prior.skip("a pod sent no request outcomes (a runtime older than the calibration)")
     if len(traffic.settings_ran) != 1:
@@ -604,8 +621,55 @@ def calibrate(traffic: MergedTraffic, profile: LatencyProfile, prior: LaneCalibr
     arrivals = traffic.trace().arrivals  # one per row, as every prediction here simulates them
     observed = Observed(tuple(o[1] for o in traffic.outcomes), tuple(o[2] for o in traffic.outcomes))
     window = Window(traffic.end, arrivals, observed, settings, replicas=len(traffic.pods))
-    got = check_lane(window, profile, prior.correction)
+    got = check_lane(window, profile, correction, min_requests)
     return prior.skip(got) if isinstance(got, str) else prior.add(got)
+
+
+def check_revisions(
+    arrival_docs: Sequence[Mapping[str, Any]],
+    profile_docs: Sequence[Mapping[str, Any]],
+    lanes: Sequence[str],
+    revisions: Mapping[str, str],
+    corrections: Mapping[str, float] | None = None,
+    min_requests: int = MIN_REQUESTS,
+) -> list[RevisionCheck]:
+    """Per revision (``revision -> track``) and lane: the model's p99 at the arrivals that
+    revision's pods got in the window, with the profile they measured and the lane's correction,
+    against the p99 they recorded (windows with at least ``min_requests`` answered requests).
+    ``arrival_docs[i]`` and ``profile_docs[i]`` are one pod's."""
+    captures: list[tuple[PodCapture, Mapping[str, Any]]] = []
+    unreadable: list[str] = []
+    for doc, prof in zip(arrival_docs, profile_docs, strict=True):
+        try:
+            captures.append((parse_capture(doc), prof))
+        except CaptureError as exc:
+            unreadable.append(str(exc))
+    out: list[RevisionCheck] = []
+    for revision, track in revisions.items():
+        mine = [(c, p) for c, p in captures if c.revision == revision]
+        if not mine:
+            why = f"no ready pod of revision {revision} answered" + (
+                f" ({'; '.join(unreadable)})" if unreadable else ""
+            )
+            out += [RevisionCheck(revision, track, lane, skipped=why) for lane in lanes]
+            continue
+        try:
+            profile = merge_profiles([p for _, p in mine])
+        except (CaptureError, ValueError) as exc:
+            out += [RevisionCheck(revision, track, lane, skipped=f"profile: {exc}") for lane in lanes]
+            continue
+        for lane in lanes:
+            prior = LaneCalibration()
+            correction = (corrections or {}).get(lane, 1.0)
+            try:
+                traffic = merge_traffic([c for c, _ in mine], lane)
+            except CaptureError as exc:
+                out.append(RevisionCheck(revision, track, lane, skipped=str(exc)))
+                continue
+            got = _calibrate(traffic, profile, prior, correction, min_requests)
+            last = got.last
+            out.append(RevisionCheck(revision, track, lane, check=last, skipped=got.skipped if last is None else ""))
+    return out
 
 
 def _p99_key(report: SettingReport) -> tuple[float, float]:
