@@ -21,9 +21,10 @@ from benchlib import BENCH, REPO, free_port, wait_http
 
 VENVS = REPO / ".cache" / "bench-venvs"
 PEERS: dict[str, list[str]] = {
-    "ray": ["ray[serve]"],
+    "ray": ["ray[serve]==2.60.0"],
     # 1.7.1 with uvloop 0.23 crashes its worker; 0.21.0 works
     "mlserver": ["mlserver==1.7.1", "uvloop==0.21.0"],
+    "bentoml": ["bentoml==1.4.40"],
 }
 
 
@@ -100,6 +101,25 @@ def start_mlserver(max_batch: int, wait_s: float, threads: int, log: Path) -> tu
     return proc, f"http://127.0.0.1:{port}/v2/models/m/infer"
 
 
+def start_bentoml(max_batch: int, wait_s: float, threads: int, log: Path) -> tuple[subprocess.Popen[Any], str]:
+    """``wait_s`` is BentoML's ``max_latency_ms`` (its latency goal), not a fixed window."""
+    venv = ensure_venv("bentoml")
+    port = free_port()
+    home = Path(tempfile.mkdtemp(prefix="bp-bentoml-"))
+    env = dict(
+        _env(threads), BENCH_MAX_BATCH=str(max_batch), BENCH_MAX_LATENCY_MS=str(round(wait_s * 1000)),
+        BENTOML_HOME=str(home), BENTOML_DO_NOT_TRACK="True",
+        # no access log line per request: what a user tuning for throughput sets
+        BENTOML_CONFIG_OPTIONS="api_server.logging.access.enabled=false",
+    )  # fmt: skip
+    proc = subprocess.Popen(
+        [str(venv / "bin" / "bentoml"), "serve", "bentoml_mlp:MLP", "--host", "127.0.0.1", "--port", str(port)],
+        env=env, stdout=log.open("w"), stderr=subprocess.STDOUT, start_new_session=True, cwd=BENCH / "peers",
+    )  # fmt: skip
+    wait_http(f"http://127.0.0.1:{port}/readyz", 180, proc)
+    return proc, f"http://127.0.0.1:{port}/infer"
+
+
 def _wait_post(url: str, proc: subprocess.Popen[Any], timeout: float) -> None:
     import time
     import urllib.request
@@ -122,4 +142,15 @@ def _wait_post(url: str, proc: subprocess.Popen[Any], timeout: float) -> None:
     raise RuntimeError(f"{url} not serving after {timeout}s")
 
 
-STARTERS = {"ray": start_ray, "mlserver": start_mlserver}
+def request_body(peer: str) -> str:
+    """The one-row request each peer takes: Open Inference Protocol JSON, or BentoML's own JSON for
+    an ndarray argument (the same 512 values)."""
+    from benchlib import mlp_body
+
+    if peer != "bentoml":
+        return mlp_body()
+    doc = json.loads(mlp_body())
+    return json.dumps({"x": [doc["inputs"][0]["data"]]})
+
+
+STARTERS = {"ray": start_ray, "mlserver": start_mlserver, "bentoml": start_bentoml}
