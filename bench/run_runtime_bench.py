@@ -318,9 +318,24 @@ def ratio_text(ours: float, theirs: float, their_fail: float | None) -> float | 
     return None
 
 
+def per_repeat(runs: list[dict[str, Any]], shape: str, other: str, floor: float) -> list[float | str]:
+    """batchpilot's goodput over ``other``'s, repeat by repeat (a lower bound where ``other`` failed at the floor)."""
+    got: dict[int, dict[str, float]] = {}
+    for r in runs:
+        if r["phase"] == "measure" and r["shape"] == shape and r["contender"] in ("batchpilot", other):
+            got.setdefault(r["repeat"], {})[r["contender"]] = r["goodput_rps"]
+    out: list[float | str] = []
+    for repeat in sorted(got):
+        pair = got[repeat]
+        if "batchpilot" in pair and other in pair:
+            out.append(ratio_text(pair["batchpilot"], pair[other], None if pair[other] else floor) or "-")
+    return out
+
+
 def summarize(result: dict[str, Any], shapes: list[str], contenders: list[str]) -> dict[str, Any]:
     best_ceiling = max(v["rows_per_s"] for v in result["ceiling"]["start"].values())
     runs = result["runs"]
+    floor = float(result["trials"].get("floor_rps", 25.0))
     summary: dict[str, Any] = {"ceiling_rows_per_s": best_ceiling, "shapes": {}}
     for shape in shapes:
         table: dict[str, Any] = {}
@@ -348,6 +363,11 @@ def summarize(result: dict[str, Any], shapes: list[str], contenders: list[str]) 
             bp = table[best_peer]
             entry["best_peer"] = best_peer
             entry["over_best_peer"] = ratio_text(ours, bp["goodput_rps"]["median"], bp["lowest_failing_rps"])
+            # The machine's speed can drift between repeats: the ratio within each repeat (the
+            # contenders of one repeat ran minutes apart) is the steadier figure.
+            entry["over_best_peer_per_repeat"] = per_repeat(runs, shape, best_peer, floor)
+        if "batchpilot_b1" in table:
+            entry["over_batch1_per_repeat"] = per_repeat(runs, shape, "batchpilot_b1", floor)
         summary["shapes"][shape] = entry
     targets: dict[str, Any] = {}
     for shape, entry in summary["shapes"].items():
@@ -395,7 +415,7 @@ def main() -> int:
         "threads": args.threads,
         "slo": {"p99_ms": SLO_MS, "note": "p99 from scheduled send time; failed requests count as infinitely slow"},
         "request": "1 row per request (512 FP32 values): OIP v2 JSON, or BentoML's own JSON for its peer",
-        "trials": {"min_requests": args.min_requests, "onoff_min_seconds": args.onoff_seconds, "ratio": args.ratio},
+        "trials": {"min_requests": args.min_requests, "floor_rps": args.floor, "onoff_min_seconds": args.onoff_seconds, "ratio": args.ratio},
         "shapes": {"onoff": ONOFF, "conversation": f"3 s buckets spread uniformly, seed 0; first {args.min_requests}",
                    "code": f"first {args.min_requests} arrivals, time-scaled", "poisson": "seed = repeat"},
         "peer_grids": {peer: [Setting(peer, b, w).doc() for b, w in grid] for peer, grid in grids.items()},
