@@ -17,6 +17,7 @@ from __future__ import annotations
 import datetime as dt
 import json
 import os
+import random
 import shutil
 import signal
 import socket
@@ -86,6 +87,29 @@ def schedule(shape: str, rate: float, duration: float, trace_requests: int = TRA
     else:
         raise ValueError(shape)
     return [round(float(x), 6) for x in offs]
+
+
+def onoff_arrivals(
+    rate: float, duration: float, rng: random.Random, on_mean: float, off_mean: float, on_over_off: float
+) -> list[float]:
+    """ON/OFF-modulated Poisson arrivals with mean ``rate`` over ``duration`` seconds: exponential
+    ON periods of mean ``on_mean`` seconds at ``on_over_off`` times the rate of exponential OFF
+    periods of mean ``off_mean``, starting in either state by its share of time."""
+    off_rate = rate * (on_mean + off_mean) / (on_over_off * on_mean + off_mean)
+    on = rng.random() < on_mean / (on_mean + off_mean)
+    t, out = 0.0, []
+    while t < duration:
+        span = rng.expovariate(1.0 / (on_mean if on else off_mean))
+        r = off_rate * (on_over_off if on else 1.0)
+        u = t
+        while True:
+            u += rng.expovariate(r)
+            if u >= min(t + span, duration):
+                break
+            out.append(u)
+        t += span
+        on = not on
+    return out
 
 
 def loadgen_command() -> list[str]:

@@ -94,6 +94,7 @@ from batchpilot_operator.tune.profile import load_profile
 from batchpilot_operator.tune.simulator import LaneSettings, RequestRecord, simulate_requests
 from batchpilot_operator.tune.trace import Trace, load_trace
 from batchpilot_runtime.metrics import LATENCY_BUCKETS
+from benchlib import onoff_arrivals
 
 ROOT = Path(__file__).resolve().parent.parent
 TRACES = ROOT.parent / "shared" / "traces"
@@ -208,21 +209,7 @@ def make_trace(kind: str, rate: float, duration: float, rng: random.Random) -> l
                 return times
             times.append(t)
     if kind == "onoff":
-        on_mean, off_mean, ratio = 2.0, 8.0, 8.0
-        off_rate = rate * (on_mean + off_mean) / (ratio * on_mean + off_mean)
-        on = rng.random() < on_mean / (on_mean + off_mean)
-        while t < duration:
-            span = rng.expovariate(1.0 / (on_mean if on else off_mean))
-            r = off_rate * (ratio if on else 1.0)
-            u = t
-            while True:
-                u += rng.expovariate(r)
-                if u >= min(t + span, duration):
-                    break
-                times.append(u)
-            t += span
-            on = not on
-        return times
+        return onoff_arrivals(rate, duration, rng, on_mean=2.0, off_mean=8.0, on_over_off=8.0)
     raise ValueError(f"unknown trace {kind}")
 
 

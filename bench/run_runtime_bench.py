@@ -78,6 +78,7 @@ from benchlib import (  # noqa: E402
     SLO_MS,
     goodput_search,
     mlp_body,
+    onoff_arrivals,
     run_loadgen,
     start_runtime_server,
     stop_process,
@@ -87,7 +88,7 @@ TRACES = REPO.parent / "shared" / "traces"
 CODE_TRACE = TRACES / "azure-llm-2023-code.csv"
 CONVERSATION_TRACE = TRACES / "mooncake-2025-conversation.csv"
 CONVERSATION_BUCKET_S = 3.0
-ONOFF = {"on_mean_s": 0.5, "off_mean_s": 2.0, "on_over_off_rate": 8.0}
+ONOFF = {"on_mean": 0.5, "off_mean": 2.0, "on_over_off": 8.0}
 SHAPES = ("poisson", "code", "conversation", "onoff")
 PEER_GRIDS: dict[str, list[tuple[int, float]]] = {
     # (max batch size, the peer's wait knob in seconds)
@@ -126,27 +127,6 @@ def _poisson(rate: float, n: int, seed: int) -> list[float]:
     return out
 
 
-def _onoff(rate: float, duration: float, seed: int) -> list[float]:
-    """ON/OFF-modulated Poisson arrivals with mean ``rate`` over ``duration`` seconds."""
-    rng = random.Random(seed)
-    on_mean, off_mean, ratio = ONOFF["on_mean_s"], ONOFF["off_mean_s"], ONOFF["on_over_off_rate"]
-    off_rate = rate * (on_mean + off_mean) / (ratio * on_mean + off_mean)
-    on = rng.random() < on_mean / (on_mean + off_mean)
-    t, out = 0.0, []
-    while t < duration:
-        span = rng.expovariate(1.0 / (on_mean if on else off_mean))
-        r = off_rate * (ratio if on else 1.0)
-        u = t
-        while True:
-            u += rng.expovariate(r)
-            if u >= min(t + span, duration):
-                break
-            out.append(u)
-        t += span
-        on = not on
-    return out
-
-
 class Shapes:
     """Send offsets per shape and rate; the templates are read once."""
 
@@ -158,7 +138,8 @@ class Shapes:
         if shape == "poisson":
             times = _poisson(rate, self.min_requests, seed)
         elif shape == "onoff":
-            times = _onoff(rate, max(self.onoff_seconds, self.min_requests / rate), seed)
+            duration = max(self.onoff_seconds, self.min_requests / rate)
+            times = onoff_arrivals(rate, duration, random.Random(seed), **ONOFF)
         else:
             times = self.templates[shape].scaled_arrivals(rate)
         return [round(t - times[0], 6) for t in times]
