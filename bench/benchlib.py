@@ -194,30 +194,30 @@ def goodput_search(
     lo: float | None = None
     hi: float | None = None
     rate = start
+
+    def record(res: dict[str, Any], ok: bool, **extra: Any) -> None:
+        trials.append(
+            {
+                "rate": round(rate, 1), "meets_slo": ok, "slo_p99_ms": res.get("slo_p99_ms"), **extra,
+                "p50_ms": res["latency_ms"]["p50"], "ok": res["ok"], "errors": res["errors"],
+                "send_lag_p99_ms": res["send_lag_ms"]["p99"], "generator_cpu_frac": res["generator_cpu_frac"],
+                "machine_loadavg_1m": res.get("loadavg_1m_after"),
+            }
+        )  # fmt: skip
+
     while len(trials) < max_trials:
         if deadline is not None and time.monotonic() > deadline:
             break
         res = trial(rate)
         ok = meets_slo(res)
         if not ok and confirm_failures:
-            trials.append({"rate": round(rate, 1), "meets_slo": ok, "slo_p99_ms": res.get("slo_p99_ms"),
-                           "retried": True, "p50_ms": res["latency_ms"]["p50"], "ok": res["ok"],
-                           "errors": res["errors"], "send_lag_p99_ms": res["send_lag_ms"]["p99"],
-                           "generator_cpu_frac": res["generator_cpu_frac"],
-                           "machine_loadavg_1m": res.get("loadavg_1m_after")})  # fmt: skip
+            record(res, ok, retried=True)
             print(
                 f"    trial rate={rate:8.1f}/s  slo_p99={res.get('slo_p99_ms')} ms  failed: once more", file=sys.stderr
             )
             res = trial(rate)
             ok = meets_slo(res)
-        trials.append(
-            {
-                "rate": round(rate, 1), "meets_slo": ok, "slo_p99_ms": res.get("slo_p99_ms"),
-                "p50_ms": res["latency_ms"]["p50"], "ok": res["ok"], "errors": res["errors"],
-                "send_lag_p99_ms": res["send_lag_ms"]["p99"], "generator_cpu_frac": res["generator_cpu_frac"],
-                "machine_loadavg_1m": res.get("loadavg_1m_after"),
-            }
-        )  # fmt: skip
+        record(res, ok)
         print(f"    trial rate={rate:8.1f}/s  slo_p99={res.get('slo_p99_ms')} ms  ok={ok}", file=sys.stderr)
         if ok:
             lo = rate
