@@ -97,6 +97,8 @@ PEER_GRIDS: dict[str, list[tuple[int, float]]] = {
     # max_latency_ms is a hard limit (beyond its estimate the dispatcher answers 503): the SLO, and twice it
     "bentoml": [(16, 0.050), (16, 0.100), (64, 0.050), (64, 0.100)],
 }
+PEER_TARGETS = {"poisson": 2.0, "code": 1.5, "conversation": 1.5}
+"""Issue 26's goals: batchpilot's goodput over the best peer's (on/off has none)."""
 PEER_KNOB = {"mlserver": "max_batch_time_s", "ray": "batch_wait_timeout_s", "bentoml": "max_latency_s"}
 
 
@@ -358,11 +360,9 @@ def summarize(result: dict[str, Any], shapes: list[str], contenders: list[str]) 
         summary["shapes"][shape] = entry
     targets: dict[str, Any] = {}
     for shape, entry in summary["shapes"].items():
-        need = 2.0 if shape in ("poisson", "onoff") else 1.5
         if "over_best_peer" in entry:
-            targets[f"{shape}: over best peer >= {need}" if shape != "onoff" else "onoff: over best peer"] = entry[
-                "over_best_peer"
-            ]
+            goal = f" >= {PEER_TARGETS[shape]:.1f}" if shape in PEER_TARGETS else ""
+            targets[f"{shape}: over best peer{goal}"] = entry["over_best_peer"]
     if "over_batch1" in summary["shapes"].get("poisson", {}):
         targets["poisson: over batch-1 >= 5"] = summary["shapes"]["poisson"]["over_batch1"]
     summary["targets"] = targets
