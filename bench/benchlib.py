@@ -20,7 +20,6 @@ import os
 import random
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -33,17 +32,13 @@ from typing import Any
 
 import numpy as np
 
+from batchpilot_operator.localdev import free_port
+
 BENCH = Path(__file__).resolve().parent
 REPO = BENCH.parent
 TRACE = Path(os.environ.get("BATCHPILOT_TRACE", REPO.parent / "shared" / "traces" / "azure-llm-2023-code.csv"))
 LOADGEN = BENCH / "loadgen.mjs"
 SLO_MS = 50.0
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 _trace_gaps: np.ndarray[Any, Any] | None = None

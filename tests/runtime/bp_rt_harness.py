@@ -7,7 +7,6 @@ import json
 import os
 import re
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -19,15 +18,11 @@ from typing import Any
 
 import aiohttp
 
+from batchpilot_operator.localdev import free_port
+
 HERE = Path(__file__).parent
 REPO = HERE.parent.parent
 PYTHON = sys.executable
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def lane(name: str, max_batch: int, delay: str, queue: int, timeout: str, priority: int = 0) -> dict[str, Any]:
