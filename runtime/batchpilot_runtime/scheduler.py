@@ -57,7 +57,7 @@ class Pending:
         tenant: str = "default",
         rows: int | None = None,
     ) -> None:
-        self.data = data  # the input rows (a numpy array in the runtime; None in the simulator)
+        self.data = data  # the input rows (a numpy array); in the simulator, the arrival at the pod
         self.tenant = tenant
         self.rows = int(data.shape[0]) if rows is None else rows
         self.lane = lane

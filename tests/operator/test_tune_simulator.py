@@ -11,10 +11,12 @@ from batchpilot_operator.tune.simulator import (
     LaneSettings,
     Targets,
     allowed_misses,
+    front_end,
     meets_slo,
     nearest_rank,
     simulate,
     simulate_exact,
+    simulate_requests,
     split_arrivals,
 )
 
@@ -212,3 +214,66 @@ def test_dispatch_delay_delays_each_cut_and_lets_late_rows_join(engine: object) 
     # Back to back: a saturated executor pays the delay at every batch (capacity falls).
     busy = engine([0.0] * 4, LaneSettings(1, 0.0), [0.0, 1 * MS], dispatch_delay=1 * MS)  # type: ignore[operator]
     assert sorted(busy.latencies) == pytest.approx([2 * MS, 4 * MS, 6 * MS, 8 * MS])
+
+
+# ----------------------------------------------------------------------------- the HTTP front end
+
+
+def test_front_end_queues_a_burst_before_the_batcher() -> None:
+    # Four requests at once through a loop of 1 ms each: they reach the batcher at 0, 1, 2, 3 ms.
+    assert front_end([0.0, 0.0, 0.0, 0.0], 1 * MS) == pytest.approx([0.0, 1 * MS, 2 * MS, 3 * MS])
+    # Spaced wider than the cost: untouched (the idle cost is already in request_overhead).
+    spaced = [0.0, 0.002, 0.0045, 0.01]
+    assert front_end(spaced, 1 * MS) == spaced
+
+
+@pytest.mark.parametrize("engine", [simulate, simulate_exact])
+def test_front_end_wait_counts_in_latency_not_in_queue_age(engine: object) -> None:
+    # B=4 with a 10 ms window: the 4th row reaches the batcher at 3 ms (the loop's backlog) and
+    # fills the batch then; the model runs 2 ms. Latency counts from the arrival at the pod
+    # (5 ms for every row); queue age from the handler (3, 2, 1, 0 ms), as the runtime's metric.
+    res = engine([0.0] * 4, LaneSettings(4, 10 * MS), [0.0] + [2 * MS] * 4, front_end_cost=1 * MS)  # type: ignore[operator]
+    assert res.batch_sizes == [4]
+    assert res.latencies == pytest.approx([5 * MS] * 4)
+    assert sorted(res.queue_waits) == pytest.approx([0.0, 1 * MS, 2 * MS, 3 * MS])
+    # Without a backlog nothing changes.
+    spaced = [k * 0.01 for k in range(20)]
+    table = [0.0] + [2 * MS] * 4
+    plain = engine(spaced, LaneSettings(4, 1 * MS), table)  # type: ignore[operator]
+    fronted = engine(spaced, LaneSettings(4, 1 * MS), table, front_end_cost=1 * MS)  # type: ignore[operator]
+    assert fronted.latencies == pytest.approx(plain.latencies)
+
+
+def test_front_end_caps_throughput_at_one_over_its_cost() -> None:
+    # 2000 requests at once; a model that would take 64 rows in 1 ms. A loop of 0.5 ms each
+    # delivers 2000 requests/s, so the last one is answered about 1 s after it arrived.
+    res = simulate([0.0] * 2000, LaneSettings(64, 0.0), [0.0] + [1 * MS] * 64, front_end_cost=0.5 * MS)
+    assert max(res.latencies) == pytest.approx(1.0, rel=0.01)
+    assert simulate([0.0] * 2000, LaneSettings(64, 0.0), [0.0] + [1 * MS] * 64).latency_quantile(1.0) < 0.05
+
+
+def test_engines_and_meets_slo_agree_with_a_front_end() -> None:
+    rng = random.Random(3)
+    for _ in range(150):
+        arrivals, settings, table, replicas = _random_case(rng)
+        cost = rng.choice([0.0002, 0.0009, 0.003])
+        fast = simulate(arrivals, settings, table, replicas=replicas, front_end_cost=cost)
+        exact = simulate_exact(arrivals, settings, table, replicas=replicas, front_end_cost=cost)
+        assert sorted(fast.latencies) == pytest.approx(sorted(exact.latencies))
+        assert sorted(fast.queue_waits) == pytest.approx(sorted(exact.queue_waits))
+        assert sorted(fast.batch_sizes) == sorted(exact.batch_sizes)
+        assert (fast.dropped, fast.timeouts) == (exact.dropped, exact.timeouts)
+        parts = split_arrivals(arrivals, replicas)
+        for lat in (0.00313, 0.0103, 0.0513):
+            for age in (0.00107, 0.0217):
+                want = exact.latency_quantile() <= lat and exact.queue_age_quantile() <= age
+                assert meets_slo(parts, settings, table, Targets(lat, age), front_end_cost=cost) == want
+        if replicas == 1:
+            records = simulate_requests(arrivals, settings, table, front_end_cost=cost)
+            exact_records = simulate_requests(arrivals, settings, table, front_end_cost=cost, engine="exact")
+            assert [r.arrival for r in records if r.outcome == "ok"] == [
+                r.arrival for r in sorted(exact_records, key=lambda r: r.arrival) if r.outcome == "ok"
+            ]
+            assert sorted(r.latency for r in records if r.latency is not None) == pytest.approx(
+                sorted(r.latency for r in exact_records if r.latency is not None)
+            )

@@ -24,7 +24,16 @@ the next batch at ``max(ready, executor free)`` as the worker does; the fast eng
 ``tests/operator/test_batching_conformance.py`` holds all of them to the same batches (sizes
 and instants, in order) on both real traces, Poisson and on/off arrivals. Not modelled: other
 lanes sharing the executor (priorities), multi-row requests, and CPU contention between HTTP
-handling and the model (``request_overhead`` adds a constant instead).
+handling and the model.
+
+The HTTP front end is a queue too: the runtime's event loop reads, decodes and answers one
+request at a time, at ``front_end_cost`` CPU seconds each (the profile's ``frontEndCost``, the
+server process's own CPU per request). A request reaches the batcher when the loop starts on it,
+``max(arrival, when the loop finished the request before)``, so a burst faster than
+``1 / front_end_cost`` queues in front of the batcher, and every row's latency counts from its
+arrival at the pod. Without a backlog the loop starts at the arrival and nothing changes: the
+idle cost of the loop is in ``request_overhead`` (measured at low load), so it is not counted
+twice. The batcher's queue age and timeouts start where the runtime starts them, at the handler.
 
 Replicas sit behind one Service and share the arrivals: each request goes to one replica,
 chosen at random with a fixed seed (``split="random"``, what kube-proxy's iptables mode does
@@ -182,6 +191,18 @@ def split_arrivals(
     return parts
 
 
+def front_end(arrivals: Sequence[float], cost: float) -> list[float]:
+    """When the pod's HTTP loop starts on each request (FIFO, ``cost`` seconds each): the instant
+    the request reaches the batcher. Equal to the arrivals when the loop keeps up."""
+    out: list[float] = []
+    free = -math.inf
+    for a in arrivals:
+        start = a if a > free else free
+        out.append(start)
+        free = start + cost
+    return out
+
+
 class _NeedsExact(Exception):
     """The fast engine met a drop or an expiry; the exact engine must take over."""
 
@@ -220,12 +241,15 @@ def _exact_replica(
     records: list[RequestRecord] | None = None,
     *,
     delay: float = 0.0,
+    origin: Sequence[float] | None = None,
 ) -> float:
     """Event-by-event engine for one replica: the runtime's own :class:`Scheduler` (admission,
     readiness, batch forming, timeouts at the cut) on a simulated clock, stepped the way its
     ``BatchWorker`` steps it: the next batch is cut at ``max(ready, model free) + delay``,
     after every arrival up to that instant. Returns the replica's last event time. With
-    ``records``, every request's fate is appended to it as well."""
+    ``records``, every request's fate is appended to it as well. ``arr`` are the instants the
+    requests reach the batcher; ``origin`` (default ``arr``) their arrivals at the pod, where
+    latency counts from (:func:`front_end`)."""
     TO = s.request_timeout
     sched = Scheduler([_lane_config(s)])
     lane = sched.lanes[0]
@@ -239,7 +263,7 @@ def _exact_replica(
         out.timeouts += 1
         out.queue_waits.append(TO)
         if records is not None:
-            records.append(RequestRecord(p.arrival, "timed_out", TO + overhead, TO))
+            records.append(RequestRecord(p.data, "timed_out", p.arrival - p.data + TO + overhead, TO))
 
     def fire_timers(at: float) -> None:
         # The runtime's per-request timer: a request still queued at arrival + timeout leaves.
@@ -259,15 +283,16 @@ def _exact_replica(
         if nxt < n and arr[nxt] <= t and arr[nxt] < expiry:
             # An arrival comes first (or at the cut's instant): admitted, or refused when full.
             x = arr[nxt]
+            o = x if origin is None else origin[nxt]
             nxt += 1
             fire_timers(x)
-            p = Pending(None, 0, x, rows=1)
+            p = Pending(o, 0, x, rows=1)  # its data: the arrival at the pod, where latency counts from
             try:
                 sched.admit(p)
             except QueueFull:
                 out.dropped += 1
                 if records is not None:
-                    records.append(RequestRecord(x, "rejected_full", None, None))
+                    records.append(RequestRecord(o, "rejected_full", None, None))
                 continue
             timers.append(p)
             continue
@@ -290,9 +315,9 @@ def _exact_replica(
         for p in members:
             a = p.arrival
             out.queue_waits.append(t - a)
-            out.latencies.append(done - a + overhead)
+            out.latencies.append(done - p.data + overhead)
             if records is not None:
-                records.append(RequestRecord(a, "ok", done - a + overhead, t - a))
+                records.append(RequestRecord(p.data, "ok", done - p.data + overhead, t - a))
         free = done
         last = max(last, done)
     return last
@@ -320,8 +345,11 @@ def _fast_replica(
     scale: Sequence[float] | None = None,
     *,
     delay: float = 0.0,
+    origin: Sequence[float] | None = None,
 ) -> float:
-    """Batch-by-batch engine for one replica; raises _NeedsExact on a drop or an expiry."""
+    """Batch-by-batch engine for one replica; raises _NeedsExact on a drop or an expiry.
+    ``origin``: as for :func:`_exact_replica`."""
+    org = arr if origin is None else origin
     B, W, L, TO = s.max_batch_size, s.max_queue_delay, s.max_queue_length, s.request_timeout
     n = len(arr)
     i = 0
@@ -356,9 +384,8 @@ def _fast_replica(
         sizes.append(size)
         oldest.append(t - a0)
         for k in range(i, j):
-            a = arr[k]
-            waits.append(t - a)
-            lats.append(done - a + overhead)
+            waits.append(t - arr[k])
+            lats.append(done - org[k] + overhead)
         free = done
         i = j
     out.busy += busy
@@ -376,6 +403,7 @@ def simulate(
     engine: Literal["auto", "exact"] = "auto",
     exec_scale: Sequence[float] | None = None,
     dispatch_delay: float = 0.0,
+    front_end_cost: float = 0.0,
 ) -> SimResult:
     """Run the lane over ``arrivals`` (sorted seconds) and return every measurement.
 
@@ -387,6 +415,9 @@ def simulate(
     runtime's measured batch cut delay (``batchpilot_batch_cut_delay_seconds``; the event loop
     and the model thread sharing few cores), carried in a profile as ``dispatchDelay``. Rows
     arriving during the delay join the batch, as they do in the runtime.
+
+    ``front_end_cost`` (seconds of the HTTP loop per request, the profile's ``frontEndCost``):
+    each replica's requests reach its batcher through its loop (:func:`front_end`).
     """
     _check_table(settings, exec_table)
     result = SimResult(requests=len(arrivals), replicas=replicas)
@@ -394,22 +425,17 @@ def simulate(
     for part in split_arrivals(arrivals, replicas, split, seed):
         if not part:
             continue
+        handled, origin = (front_end(part, front_end_cost), part) if front_end_cost > 0 else (part, None)
+        args = (handled, settings, exec_table, request_overhead)
+        scratch = SimResult(requests=len(part))
+        end: float | None = None
         if engine == "auto":
-            scratch = SimResult(requests=len(part))
             try:
-                end = _fast_replica(
-                    part, settings, exec_table, request_overhead, scratch, exec_scale, delay=dispatch_delay
-                )
+                end = _fast_replica(*args, scratch, exec_scale, delay=dispatch_delay, origin=origin)
             except _NeedsExact:
                 scratch = SimResult(requests=len(part))
-                end = _exact_replica(
-                    part, settings, exec_table, request_overhead, scratch, exec_scale, delay=dispatch_delay
-                )
-        else:
-            scratch = SimResult(requests=len(part))
-            end = _exact_replica(
-                part, settings, exec_table, request_overhead, scratch, exec_scale, delay=dispatch_delay
-            )
+        if end is None:
+            end = _exact_replica(*args, scratch, exec_scale, delay=dispatch_delay, origin=origin)
         result.latencies += scratch.latencies
         result.queue_waits += scratch.queue_waits
         result.batch_sizes += scratch.batch_sizes
@@ -430,17 +456,20 @@ def simulate_requests(
     request_overhead: float = 0.0,
     exec_scale: Sequence[float] | None = None,
     engine: Literal["auto", "exact"] = "auto",
+    front_end_cost: float = 0.0,
 ) -> list[RequestRecord]:
     """One replica, request by request: every request's outcome, latency and queue age. For
     studies that need the time structure (bench/canary_eval.py windows them as Prometheus
     would). The exact engine lists them in the order the runtime answered them; ``auto``
     walks batch by batch when nothing is dropped or timed out (every request is then served,
-    in arrival order, with the same latencies) and replays exactly otherwise."""
+    in arrival order, with the same latencies) and replays exactly otherwise. With
+    ``front_end_cost``, requests reach the batcher through the HTTP loop (:func:`front_end`)."""
     _check_table(settings, exec_table)
+    handled, origin = (front_end(arrivals, front_end_cost), arrivals) if front_end_cost > 0 else (arrivals, None)
     if engine == "auto":
         scratch = SimResult(len(arrivals))
         try:
-            _fast_replica(arrivals, settings, exec_table, request_overhead, scratch, exec_scale)
+            _fast_replica(handled, settings, exec_table, request_overhead, scratch, exec_scale, origin=origin)
         except _NeedsExact:
             pass
         else:
@@ -449,7 +478,9 @@ def simulate_requests(
                 for a, lat, wait in zip(arrivals, scratch.latencies, scratch.queue_waits, strict=True)
             ]
     records: list[RequestRecord] = []
-    _exact_replica(arrivals, settings, exec_table, request_overhead, SimResult(len(arrivals)), exec_scale, records)
+    _exact_replica(
+        handled, settings, exec_table, request_overhead, SimResult(len(arrivals)), exec_scale, records, origin=origin
+    )
     return records
 
 
@@ -463,10 +494,21 @@ def simulate_exact(
     request_overhead: float = 0.0,
     exec_scale: Sequence[float] | None = None,
     dispatch_delay: float = 0.0,
+    front_end_cost: float = 0.0,
 ) -> SimResult:
     """The event-by-event engine only (the reference the fast engine is tested against)."""
     return simulate(
-        arrivals, settings, exec_table, replicas, split, seed, request_overhead, "exact", exec_scale, dispatch_delay
+        arrivals,
+        settings,
+        exec_table,
+        replicas,
+        split,
+        seed,
+        request_overhead,
+        "exact",
+        exec_scale,
+        dispatch_delay,
+        front_end_cost,
     )
 
 
@@ -478,11 +520,15 @@ def _fast_misses(
     overhead: float,
     budget: int,
     delay: float = 0.0,
+    origin: Sequence[float] | None = None,
 ) -> tuple[int, int] | None:
     """Misses of one replica (latency, queue age), stopping once either passes ``budget``.
 
     None when the run would drop or time out a request (the caller replays it exactly).
+    ``origin``: as for :func:`_exact_replica` (sorted like ``arr``: the front end is FIFO, so
+    the oldest row by arrival at the pod is the latest one of its batch).
     """
+    org = arr if origin is None else origin
     B, W, L, TO = s.max_batch_size, s.max_queue_delay, s.max_queue_length, s.request_timeout
     t_lat = targets.latency - overhead
     t_age = targets.queue_age
@@ -506,8 +552,8 @@ def _fast_misses(
         hi = i + B if i + B < m else m
         j = br(arr, t, i, hi)
         done = t + ex[j - i]
-        if done - a0 > t_lat:  # the oldest row is late; count the late ones exactly
-            lat_miss += bl(arr, done - t_lat, i, j) - i
+        if done - org[i] > t_lat:  # the oldest row is late; count the late ones exactly
+            lat_miss += bl(org, done - t_lat, i, j) - i
             if t - a0 > t_age:
                 age_miss += bl(arr, t - t_age, i, j) - i
             if lat_miss > budget or age_miss > budget:
@@ -522,10 +568,16 @@ def _fast_misses(
 
 
 def _exact_misses(
-    arr: Sequence[float], s: LaneSettings, ex: Sequence[float], targets: Targets, overhead: float, delay: float = 0.0
+    arr: Sequence[float],
+    s: LaneSettings,
+    ex: Sequence[float],
+    targets: Targets,
+    overhead: float,
+    delay: float = 0.0,
+    origin: Sequence[float] | None = None,
 ) -> tuple[int, int]:
     sub = SimResult(requests=len(arr))
-    _exact_replica(arr, s, ex, overhead, sub, delay=delay)
+    _exact_replica(arr, s, ex, overhead, sub, delay=delay, origin=origin)
     lat_miss = sum(1 for x in sub.latencies if x > targets.latency) + sub.failed
     age_miss = sum(1 for x in sub.queue_waits if x > targets.queue_age) + (len(arr) - len(sub.queue_waits))
     return lat_miss, age_miss
@@ -538,6 +590,7 @@ def meets_slo(
     targets: Targets,
     request_overhead: float = 0.0,
     dispatch_delay: float = 0.0,
+    front_end_cost: float = 0.0,
 ) -> bool:
     """Whether p99 latency and p99 queue age stay within ``targets`` (arrivals already split).
 
@@ -555,9 +608,10 @@ def meets_slo(
         if not arr:
             continue
         left = budget - max(lat_miss, age_miss)
-        got = _fast_misses(arr, settings, exec_table, targets, request_overhead, left, dispatch_delay)
+        handled, origin = (front_end(arr, front_end_cost), arr) if front_end_cost > 0 else (arr, None)
+        got = _fast_misses(handled, settings, exec_table, targets, request_overhead, left, dispatch_delay, origin)
         if got is None:
-            got = _exact_misses(arr, settings, exec_table, targets, request_overhead, dispatch_delay)
+            got = _exact_misses(handled, settings, exec_table, targets, request_overhead, dispatch_delay, origin)
         lat_miss += got[0]
         age_miss += got[1]
         if lat_miss > budget or age_miss > budget:
