@@ -29,10 +29,13 @@ executor while the batch ahead of its batch runs (at most ``E(B)``) + its own ba
   than the whole executor (``Σ rate·E(B)/B / N > 1``): lanes share one executor per pod.
 * **Warning** when ``B`` lies beyond the profile's largest measured batch (extrapolated), or
   the profile was measured for a different model source.
+* **Error** when the lanes' expected rates together exceed ``N / c``, ``c`` the profile's
+  ``frontEndCost``: each pod's HTTP loop answers one request at a time, whatever the batching.
 """
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Literal
 
@@ -50,7 +53,7 @@ class Finding:
     field: str | None = None
     """Path of the field at fault, e.g. ``spec.lanes[0].maxQueueDelay``."""
     check: str = ""
-    """Short name of the check: latency, latency-contended, capacity, utilisation, profile."""
+    """Short name of the check: latency, latency-contended, capacity, utilisation, front-end, profile."""
 
 
 @dataclass(frozen=True)
@@ -222,6 +225,19 @@ def check_policy(spec: PolicySpec, profile: LatencyProfile) -> list[Finding]:
                 f"{spec.replicas} replica(s) at max batch (lanes share each pod's executor); add replicas",
                 field="spec.replicas",
                 check="utilisation",
+            )
+        )
+    loop_capacity = spec.replicas / profile.front_end_cost if profile.front_end_cost > 0 else math.inf
+    total_rate = sum(lane.expected_rate or 0.0 for lane in rated)
+    if total_rate > loop_capacity:
+        findings.append(
+            Finding(
+                "error",
+                f"the lanes' expected rates together ({total_rate:g}/s) exceed what the pods' HTTP loops "
+                f"answer: {spec.replicas} replica(s) / {ms(profile.front_end_cost)} per request "
+                f"(the profile's frontEndCost) = {loop_capacity:.4g}/s, whatever the batching; add replicas",
+                field="spec.replicas",
+                check="front-end",
             )
         )
     return findings

@@ -247,6 +247,59 @@ class RecentDurations:
         }
 
 
+class FrontEndMeter:
+    """CPU seconds the server process (its HTTP loop and batch worker; the model runs in its own
+    process) spends per request: the simulator's ``frontEndCost``. The loop answers one request
+    at a time, so a burst above ``1 / cost`` requests per second queues before the batcher.
+
+    The process's CPU time is read at window boundaries (a window closes at the first request,
+    scrape or profile read at least ``window`` seconds after it opened; an idle spell is one long
+    window). The idle rate (timers, scrapes) is the median CPU per second of the windows without
+    requests, and what the windows with requests used beyond it, divided by their requests, is the
+    cost; a robust ratio rather than a regression, since steady traffic makes every window alike."""
+
+    def __init__(
+        self, window: float = 1.0, keep: int = 600, min_requests: int = 200, cpu: Any = time.process_time
+    ) -> None:
+        self.window = window
+        self.min_requests = min_requests
+        self._cpu = cpu
+        self.windows: deque[tuple[float, float, int]] = deque(maxlen=keep)  # (seconds, cpu seconds, requests)
+        self._opened: tuple[float, float] | None = None
+        self._requests = 0
+        self.total = 0
+
+    def tick(self, now: float) -> None:
+        """Close the open window if it is old enough (cheap: one clock read per call when not)."""
+        if self._opened is None:
+            self._opened = (now, self._cpu())
+            return
+        start, cpu0 = self._opened
+        if now - start < self.window:
+            return
+        cpu = self._cpu()
+        self.windows.append((now - start, cpu - cpu0, self._requests))
+        self._opened = (now, cpu)
+        self._requests = 0
+
+    def count(self, now: float) -> None:
+        """One request answered (any status: a rejection costs the loop too)."""
+        self.tick(now)
+        self._requests += 1
+        self.total += 1
+
+    def cost(self) -> float | None:
+        """CPU seconds per request, or None before ``min_requests`` requests were seen in windows."""
+        idle = sorted(c / d for d, c, n in self.windows if n == 0 and d > 0)
+        idle_rate = _quantile(idle, 0.5) if idle else 0.0
+        busy = [(d, c, n) for d, c, n in self.windows if n > 0]
+        requests = sum(n for _, _, n in busy)
+        if requests < self.min_requests:
+            return None
+        spent = sum(c - idle_rate * d for d, c, _ in busy)
+        return max(spent, 0.0) / requests
+
+
 def capture_bounds_from_env() -> tuple[int, float]:
     """(capacity, max age) from ``BATCHPILOT_ARRIVAL_CAPACITY`` / ``BATCHPILOT_ARRIVAL_MAX_AGE``.
 
@@ -293,6 +346,7 @@ class Capture:
         self.profile = LiveProfile()
         self.cut = [RecentDurations() for _ in cfg.lanes]
         self.overhead = RecentDurations()  # per served request: latency - queue wait - its batch's forward time
+        self.front_end = FrontEndMeter()
         self.started = wall()
         self._clock = clock
         self._wall = wall
@@ -391,6 +445,8 @@ class Capture:
         delays = sorted(x for cut in self.cut for x in list(cut.samples))
         dispatch_delay = _quantile(delays, 0.5) if delays else 0.0
         overhead = self.overhead.summary()
+        self.front_end.tick(self._clock())
+        front_end = self.front_end.cost()
         return {
             "apiVersion": CAPTURE_API_VERSION,
             "kind": "LatencyProfile",
@@ -405,6 +461,8 @@ class Capture:
             "requestOverhead": format_duration(max(overhead["mean"], 0.0)) if overhead["samples"] else "0s",
             # The median batch cut delay over all lanes: the simulator delays every dispatch by it.
             "dispatchDelay": format_duration(dispatch_delay),
+            # CPU of this process per request (absent until enough requests): the simulator's HTTP loop.
+            **({"frontEndCost": format_duration(front_end)} if front_end is not None else {}),
             "points": points,
             "measuredAt": datetime.now(UTC).strftime("%Y-%m-%dT%H:%M:%SZ"),
             "note": (

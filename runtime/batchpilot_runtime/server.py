@@ -166,6 +166,7 @@ class Runtime:
         self.worker.start()
         # After the worker thread exists (it keeps the priority it was created with).
         deprioritize_this_thread(self.loop_nice)
+        self.capture.front_end.tick(time.perf_counter())  # its first window: idle, after the warm-up
         self.ready = True
         log.info(
             "ready: model %s (%s) on %s/%s, warmed at %s rows, lanes %s, revision %s, track %s",
@@ -363,6 +364,7 @@ class Runtime:
         return await self.health_ready(request)
 
     async def metrics_handler(self, request: web.Request) -> web.Response:
+        self.capture.front_end.tick(time.perf_counter())
         body = self.metrics.render() if self.metrics is not None else b""
         return web.Response(body=body, headers={"Content-Type": CONTENT_TYPE})
 
@@ -373,6 +375,7 @@ class Runtime:
         try:
             return await self._infer(request, arrival)
         finally:
+            self.capture.front_end.count(time.perf_counter())
             self.handlers -= 1
             if self.handlers == 0 and self.inflight == 0:
                 self.idle.set()

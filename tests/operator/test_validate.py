@@ -146,6 +146,16 @@ def test_lanes_share_the_executor() -> None:
     assert [f.check for f in findings if f.severity == "error"] == ["utilisation"]
 
 
+def test_the_pods_http_loops_bound_the_rate_whatever_the_batching() -> None:
+    # The model serves 2 x 16 / 40 ms = 800 rows/s; 2 loops at 4 ms per request answer 500/s.
+    profile = fake_profile({1: 0.01, 16: 0.04}).model_copy(update={"front_end_cost": 0.004})
+    ok = check_policy(parse_spec(lane(expectedRate=450)["spec"]), profile)
+    assert not [f for f in ok if f.severity == "error"]
+    err = [f for f in check_policy(parse_spec(lane(expectedRate=600)["spec"]), profile) if f.severity == "error"]
+    assert [f.check for f in err] == ["front-end"]
+    assert "500/s" in err[0].message and "frontEndCost" in err[0].message and err[0].field == "spec.replicas"
+
+
 def test_extrapolated_batch_size_is_flagged() -> None:
     findings = check_policy(parse_spec(lane(maxBatchSize=64)["spec"]), fake_profile({1: 0.001, 16: 0.004}))
     assert any(f.check == "profile" and "extrapolated" in f.message for f in findings)

@@ -23,6 +23,7 @@ from batchpilot_runtime.capture import (
     SLOT_BYTES,
     ArrivalRing,
     Capture,
+    FrontEndMeter,
     LiveProfile,
     OutcomeRing,
     capture_bounds_from_env,
@@ -205,6 +206,72 @@ def test_live_profile_prefers_live_samples_and_is_a_latency_profile() -> None:
     # live points over warm-up ones.
     assert parsed.quantile == "mean" and parsed.exec_time(1) == pytest.approx(0.003)
     assert [p.source for p in parsed.points] == ["live", "warmup"]
+
+
+# ----------------------------------------------------------------------------- front end
+
+
+class FakeCpu:
+    def __init__(self) -> None:
+        self.t = 0.0
+
+    def __call__(self) -> float:
+        return self.t
+
+
+def test_front_end_cost_is_the_cpu_beyond_the_idle_rate_per_request() -> None:
+    cpu = FakeCpu()
+    meter = FrontEndMeter(window=1.0, min_requests=100, cpu=cpu)
+    now = 0.0
+    meter.tick(now)
+    # 10 idle seconds at 2% CPU (timers, scrapes), closed by a scrape each second.
+    for _ in range(10):
+        now += 1.0
+        cpu.t += 0.02
+        meter.tick(now)
+    assert meter.cost() is None  # no requests yet
+    # 5 busy seconds: 300 requests/s at 0.4 ms each, on top of the idle 2%.
+    for _ in range(5):
+        for _ in range(300):
+            now += 1 / 300
+            cpu.t += 0.0004 + 0.02 / 300
+            meter.count(now)
+    now += 1.0
+    cpu.t += 0.02
+    meter.tick(now)
+    assert meter.cost() == pytest.approx(0.0004, rel=0.02)
+    # Counting the idle CPU as the requests' would overstate the cost.
+    assert sum(c for _, c, n in meter.windows if n) / 1500 > 0.00045
+    assert meter.total == 1500
+
+
+def test_front_end_cost_needs_enough_requests_and_never_goes_negative() -> None:
+    cpu = FakeCpu()
+    meter = FrontEndMeter(window=1.0, min_requests=50, cpu=cpu)
+    for k in range(40):
+        meter.count(k * 0.1)
+    meter.tick(10.0)
+    assert meter.cost() is None  # 40 requests < 50
+    for k in range(40):
+        meter.count(10.0 + k * 0.1)
+    meter.tick(20.0)
+    assert meter.cost() == 0.0  # a clock that never moved: no CPU, not a negative cost
+
+
+def test_profile_doc_states_the_front_end_cost_once_measured() -> None:
+    cpu = FakeCpu()
+    cap = Capture(CFG, "stable", capacity=4)
+    cap.profile.add_warmup(1, 0.002)
+    cap.front_end = FrontEndMeter(window=0.5, min_requests=10, cpu=cpu)
+    assert "frontEndCost" not in cap.profile_doc("cpu", 1)
+    now = cap._clock()
+    for _ in range(40):
+        now += 0.05
+        cpu.t += 0.001
+        cap.front_end.count(now)
+    cap.front_end.tick(now + 1.0)
+    parsed = LatencyProfile.model_validate(cap.profile_doc("cpu", 1))
+    assert parsed.front_end_cost == pytest.approx(0.001, rel=0.05)
 
 
 # ----------------------------------------------------------------------------- cut delay

@@ -9,7 +9,11 @@ skews all sizes alike instead of one.
 
 With ``--url`` it also measures the per-request overhead outside the model (HTTP, JSON,
 event-loop hops) against a running runtime serving the same model: the median latency of
-sequential single-row requests, minus the median single-row forward time.
+sequential single-row requests, minus the median single-row forward time. And the cost of its
+HTTP front end (``frontEndCost``, the CPU its server process spends per request: the loop answers
+one request at a time, so bursts above ``1 / frontEndCost`` per second queue before the batcher):
+the runtime measures it itself (``/admin/profile``); the command gives it an idle spell and then a
+concurrent flood of single-row requests to measure it on, and copies the runtime's figure.
 
 torch is imported only when this command runs (the operator image has none; run it where
 the runtime runs, on the target device).
@@ -24,11 +28,13 @@ import statistics
 import sys
 import time
 import urllib.request
+from concurrent.futures import ThreadPoolExecutor
 from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
 from batchpilot_operator.tune.profile import LatencyProfile, ProfiledModel, ProfilePoint
+from batchpilot_runtime.config import parse_duration
 
 DEFAULT_SIZES = "1,2,4,8,16,32,64,128,256"
 
@@ -56,6 +62,12 @@ def register(subparsers: Any) -> None:
     )
     p.add_argument("--url", default=None, help="a running runtime (http://host:port) to measure request overhead")
     p.add_argument("--overhead-requests", type=int, default=200)
+    p.add_argument(
+        "--front-end-requests",
+        type=int,
+        default=2000,
+        help="with --url: concurrent requests to measure the runtime's front-end cost on (0: skip)",
+    )
     p.add_argument(
         "--quantile",
         default="p90",
@@ -190,6 +202,35 @@ def measure_overhead(url: str, model_name: str, count: int) -> float:
     return statistics.median(lat)
 
 
+def _runtime_profile(url: str) -> dict[str, Any]:
+    with urllib.request.urlopen(f"{url.rstrip('/')}/admin/profile", timeout=10) as resp:
+        doc: dict[str, Any] = json.loads(resp.read())
+    return doc
+
+
+def measure_front_end(url: str, model_name: str, count: int, concurrency: int = 32, idle: float = 2.5) -> float | None:
+    """The runtime's own frontEndCost after an idle spell (its idle CPU rate) and ``count``
+    single-row requests from ``concurrency`` clients (its CPU per request at load); None when
+    the runtime does not state one (an older runtime, or too few requests)."""
+    base = f"{url.rstrip('/')}/v2/models/{model_name}"
+    with urllib.request.urlopen(base, timeout=10) as resp:
+        body = one_row_body(json.loads(resp.read()))
+    _runtime_profile(url)  # opens a window; after the idle spell the next read closes it
+    time.sleep(idle)
+    _runtime_profile(url)
+
+    def send(_: int) -> None:
+        req = urllib.request.Request(f"{base}/infer", data=body, headers={"Content-Type": "application/json"})
+        with urllib.request.urlopen(req, timeout=30) as resp:
+            resp.read()
+
+    with ThreadPoolExecutor(concurrency) as pool:
+        list(pool.map(send, range(count)))
+    time.sleep(1.1)  # past the runtime's window, so the read below closes the last busy one
+    raw = _runtime_profile(url).get("frontEndCost")
+    return parse_duration(raw) if isinstance(raw, str) else None
+
+
 def run(args: argparse.Namespace) -> int:
     sizes = sorted({int(s) for s in args.batch_sizes.split(",") if s.strip()})
     if not sizes or sizes[0] < 1:
@@ -198,6 +239,7 @@ def run(args: argparse.Namespace) -> int:
     cfg = _model_config(args)
     points, device, threads = measure(cfg, sizes, args.iterations, args.warmup, args.max_seconds, gap=args.gap)
     overhead = 0.0
+    front_end = 0.0
     note = (
         f"forward time via batchpilot_runtime.models.LoadedModel.run, in-process, {args.gap:g}s idle before each pass"
     )
@@ -205,6 +247,14 @@ def run(args: argparse.Namespace) -> int:
         e2e = measure_overhead(args.url, cfg.name, args.overhead_requests)
         overhead = max(0.0, e2e - points[0].p50)
         note += f"; requestOverhead = median HTTP latency at 1 row ({e2e * 1e3:.3f} ms) - p50 forward at 1 row"
+        if args.front_end_requests > 0:
+            cost = measure_front_end(args.url, cfg.name, args.front_end_requests)
+            if cost is not None:
+                front_end = cost
+                note += (
+                    f"; frontEndCost = the runtime's CPU per request over {args.front_end_requests} "
+                    "concurrent requests, beyond its idle rate"
+                )
     profile = LatencyProfile(
         model=ProfiledModel(
             name=cfg.name,
@@ -216,6 +266,7 @@ def run(args: argparse.Namespace) -> int:
         ),
         quantile=args.quantile,
         request_overhead=overhead,
+        front_end_cost=front_end,
         points=points,
         measured_at=datetime.now(UTC).strftime("%Y-%m-%dT%H:%M:%SZ"),
         note=note,

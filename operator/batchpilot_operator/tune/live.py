@@ -305,6 +305,7 @@ def merge_profiles(docs: Sequence[Mapping[str, Any]]) -> LatencyProfile:
             "points": points,
             "dispatch_delay": statistics.median(p.dispatch_delay for p in profiles),
             "request_overhead": statistics.median(p.request_overhead for p in profiles),
+            "front_end_cost": statistics.median(p.front_end_cost for p in profiles),
             "note": f"merged from {len(profiles)} pod(s): per batch size the live samples of every pod, "
             "pooled (warm-up passes only where no pod has live ones)",
         }
@@ -446,6 +447,7 @@ def _predict(
         0,
         profile.request_overhead,
         dispatch_delay=profile.dispatch_delay,
+        front_end_cost=profile.front_end_cost,
     )
     t = slo.targets()
     p99 = sim.latency_quantile(t.quantile) * correction

@@ -104,6 +104,13 @@ class LatencyProfile(_Model):
         description="typical delay of each batch cut past the dispatch rule (the runtime's measured "
         "batch cut delay); delays the executor too, unlike requestOverhead",
     )
+    front_end_cost: Duration = Field(
+        default=0.0,
+        alias="frontEndCost",
+        description="CPU seconds the runtime's HTTP loop spends on each request (decode, answer): the "
+        "loop serves requests one at a time, so a burst above 1/frontEndCost per second queues in "
+        "front of the batcher (the simulator's front end; 0: not modelled)",
+    )
     points: list[ProfilePoint] = Field(min_length=1)
     measured_at: str | None = Field(default=None, alias="measuredAt")
     note: str | None = None

@@ -133,9 +133,13 @@ def default_windows(max_window: float, count: int = 10, min_window: float = 100e
     return sorted(w for w in grid if w <= max_window)
 
 
-def rate_upper_bound(exec_table: Sequence[float], batch: int, replicas: int, n: int, targets: Targets) -> float:
+def rate_upper_bound(
+    exec_table: Sequence[float], batch: int, replicas: int, n: int, targets: Targets, front_end_cost: float = 0.0
+) -> float:
     """No rate above this can pass (see the module docstring's upper-bound argument)."""
     u = replicas * max(b / exec_table[b] for b in range(1, batch + 1))
+    if front_end_cost > 0:  # nor can the pods' HTTP loops answer more than 1/cost each
+        u = min(u, replicas / front_end_cost)
     need = math.ceil(targets.quantile * n - 1e-9)
     # need <= u (D + T) with D = (n - 1) / r  ->  r <= u (n - 1) / (need - u T)
     denom = need - u * targets.latency
@@ -165,6 +169,7 @@ class _Evaluator:
         self.table = profile.exec_table(max_batch, quantile)
         self.overhead = profile.request_overhead
         self.delay = profile.dispatch_delay
+        self.front_end = profile.front_end_cost
         self.runs = 0
 
     def parts(self, rate: float) -> list[list[float]]:
@@ -173,7 +178,7 @@ class _Evaluator:
 
     def ok(self, settings: LaneSettings, rate: float, targets: Targets) -> bool:
         self.runs += 1
-        return meets_slo(self.parts(rate), settings, self.table, targets, self.overhead, self.delay)
+        return meets_slo(self.parts(rate), settings, self.table, targets, self.overhead, self.delay, self.front_end)
 
     def run(self, settings: LaneSettings, rate: float) -> SimResult:
         self.runs += 1
@@ -187,6 +192,7 @@ class _Evaluator:
             self.seed,
             self.overhead,
             dispatch_delay=self.delay,
+            front_end_cost=self.front_end,
         )
 
 
@@ -284,7 +290,9 @@ def search(
         for b in sizes
         for w in grid
     ]
-    uppers = {s: rate_upper_bound(ev.table, s.max_batch_size, replicas, n, targets) for s in settings_list}
+    uppers = {
+        s: rate_upper_bound(ev.table, s.max_batch_size, replicas, n, targets, ev.front_end) for s in settings_list
+    }
     # Most promising first, so the threshold rises early and prunes the rest.
     settings_list.sort(key=lambda s: (-uppers[s], -s.max_queue_delay))
     results: list[CandidateResult] = []
