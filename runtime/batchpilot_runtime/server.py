@@ -188,6 +188,7 @@ class Runtime:
             if batch.cut_delay is not None:
                 m.cut[lane].observe(batch.cut_delay)
                 self.capture.cut[batch.lane.index].add(batch.cut_delay)
+        self.capture.front_end.count_batch()
         if output is not None:
             self.capture.profile.add_live(batch.rows, exec_s)
             for r in batch.requests:
