@@ -63,6 +63,21 @@ def test_finds_the_known_best_batch_size() -> None:
     assert result.target_rate == pytest.approx(1.0)
 
 
+def test_the_pods_http_loop_bounds_the_capacity_the_batching_could_reach() -> None:
+    # The model alone would serve 8 rows / 10 ms = 800 req/s; a loop of 2 ms per request answers
+    # 500 req/s, and the search must neither exceed that nor call a faster batching better.
+    profile = linear_profile(2 * MS, 1 * MS, [1, 2, 4, 8])
+    loop_bound = profile.model_copy(update={"front_end_cost": 2 * MS})
+    slo = SLOTargets(40 * MS, 30 * MS, margin=0.0)
+    free = search(uniform_trace(), profile, slo, windows=[0.0])
+    bound = search(uniform_trace(), loop_bound, slo, windows=[0.0])
+    assert free.capacity > 700
+    assert 0.9 * 500 <= bound.capacity <= 500 * 1.01
+    upper = rate_upper_bound(profile.exec_table(8), 8, 1, 2000, bound.targets, front_end_cost=2 * MS)
+    assert upper <= rate_upper_bound(profile.exec_table(8), 8, 1, 2000, bound.targets)
+    assert bound.capacity <= upper
+
+
 def test_capacity_is_verified_below_and_infeasible_just_above() -> None:
     trace = bursty_trace()
     profile = linear_profile(3 * MS, 0.5 * MS, [1, 4, 16, 64])
