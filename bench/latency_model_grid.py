@@ -14,8 +14,9 @@ measured capacity), a fresh runtime serves the trace slice open-loop ``--repeats
   operator's calibration does live. It removes the load generator from the comparison.
 
 Per row (trace, setting, load): the prediction (the tuner's simulator on the scheduled
-arrivals, with the profile measured in-process and the per-request overhead measured at load
-as in tune_validation), the measured median, min and max over the repeats, the **noise floor**
+arrivals, with the profile measured in-process, the per-request overhead measured at load
+as in tune_validation, and the HTTP front end at the CPU per request the runtime measured on
+itself during the setting's capacity run, ``frontEndCost``), the measured median, min and max over the repeats, the **noise floor**
 (the repeats' spread, (max - min) / median: the same setting measured again), and the error
 (predicted / median - 1) printed beside it. Summary: share of rows within 20%, Spearman rank
 correlation of predicted vs measured, per trace and overall, and the median noise floor.
@@ -241,6 +242,11 @@ def main() -> int:
     ap.add_argument("--max-rate", type=float, default=1000.0, help="cap on the offered rate")
     ap.add_argument("--calib-rate", type=float, default=20.0)
     ap.add_argument("--pin", choices=["auto", "on", "off"], default="auto")
+    ap.add_argument(
+        "--no-front-end",
+        action="store_true",
+        help="client-side predictions without the HTTP front end (the model before frontEndCost)",
+    )
     ap.add_argument("--out")
     ap.add_argument("--summarize", help="recompute the summary of a results file (no runs)")
     args = ap.parse_args()
@@ -293,6 +299,7 @@ def main() -> int:
                 closed = benchlib.closed_loop(
                     rt.infer_url, body, max(4, 2 * settings.max_batch_size), args.capacity_seconds
                 )
+                time.sleep(1.1)  # past the runtime's front-end window, so this read closes the busy one
                 saturated = LatencyProfile.model_validate(tv.fetch_json(f"{rt.url}/admin/profile"))
             finally:
                 rt.stop()
@@ -305,6 +312,9 @@ def main() -> int:
                 },
                 # The runtime's own mean pass at that size while saturated (in-sample: the same run).
                 "live_ceiling_rps": round(b / saturated.exec_time(b), 1),
+                # Its server process's CPU per request at that load (the profile's frontEndCost):
+                # the client-side predictions of this setting queue every request through it.
+                "front_end_cost_ms": round(saturated.front_end_cost * 1e3, 4),
             }
             log(f"B={settings.max_batch_size} W={format_duration(settings.max_queue_delay)}: {capacity[settings]}")
         previous_live: dict[LaneSettings, LatencyProfile] = {}
@@ -313,6 +323,7 @@ def main() -> int:
             for settings in settings_list:
                 table = profile.exec_table(settings.max_batch_size)
                 measured_capacity = capacity[settings]["measured_rps"]
+                front_end_cost = 0.0 if args.no_front_end else capacity[settings]["front_end_cost_ms"] / 1e3
                 for load in loads:
                     rate = min(load * measured_capacity, args.max_rate)
                     arrivals = trace.scaled_arrivals(rate)
@@ -323,6 +334,7 @@ def main() -> int:
                                 settings,
                                 prof.exec_table(settings.max_batch_size),
                                 request_overhead=prof.request_overhead,
+                                front_end_cost=front_end_cost,
                             ).latency_quantile(0.99)
                         )
                         for name, prof in profiles.items()
