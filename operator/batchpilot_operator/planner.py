@@ -42,7 +42,9 @@ Decisions taken here (and why):
   If the status is empty but a stable Deployment already serves another revision (status
   lost), that revision is adopted as stable and the desired one canaries.
 * A step's clock starts when the canary's pods of that step are ready (a GPU model load can
-  take minutes; analysing a half-started canary only yields Inconclusive). A step ends when
+  take minutes; analysing a half-started canary only yields Inconclusive), plus
+  ``spec.rollout.warmup`` (``stepStartedAt`` then lies ahead; Argo Rollouts' ``initialDelay``):
+  the step's first analysis window opens only once its newest pods have served that long. A step ends when
   its pause has elapsed AND every lane has had at least one Successful analysis in the step
   AND metrics are available. Inconclusive extends the step. Failed analyses are counted for
   the canary's whole life (``rollout.failures``); ``failureLimit`` rolls back.
@@ -544,7 +546,9 @@ class _Planner:
             if obs is None or obs.revision != r.revision or obs.ready_replicas < split.canary:
                 self.check_progress_deadline(r, obs, split.canary)
                 return
-            r.step_started_at = self.now
+            # The clock starts spec.rollout.warmup after the pods are all ready: the first
+            # analysis window of the step opens then, so just-started pods are not judged.
+            r.step_started_at = self.now + timedelta(seconds=self.spec.rollout.warmup)
             if self.st.paused:
                 r.paused_at = self.now
         if self.st.paused:
@@ -942,6 +946,8 @@ class _Planner:
                 pending = [lane.name for lane in spec.lanes if lane.name not in r.passed_lanes]
                 ends = r.step_started_at + timedelta(seconds=spec.rollout.steps[r.step_index].pause)
                 waits = []
+                if r.step_started_at > self.now:
+                    waits.append(f"canary pods ready, warming up until {_ts(r.step_started_at)} (spec.rollout.warmup)")
                 if ends > self.now:
                     # an absolute time: the message (and so .status) does not change on every call
                     waits.append(f"step pause ends at {_ts(ends)}")

@@ -199,6 +199,16 @@ class RolloutSpec(_Spec):
         gt=0,
         description="how long a step may wait for its canary pods to be ready before the canary is rolled back",
     )
+    warmup: SpecDuration = Field(
+        default=0.0,
+        ge=0,
+        le=3600.0,
+        description=(
+            "how long a step's canary pods serve once they are all ready before the step clock starts and its"
+            " first analysis window opens (Argo Rollouts' initialDelay, Kubernetes' minReadySeconds): traffic"
+            " to pods that have just started is not judged"
+        ),
+    )
     traffic_routing: TrafficRouting | None = Field(default=None, alias="trafficRouting")
 
     @model_validator(mode="after")

@@ -176,7 +176,9 @@ class RolloutState(_Model):
     started_at: datetime = Field(alias="startedAt")
     step_entered_at: datetime = Field(alias="stepEnteredAt")
     step_started_at: datetime | None = Field(
-        default=None, alias="stepStartedAt", description="the step clock starts when the canary is ready"
+        default=None,
+        alias="stepStartedAt",
+        description="the step clock starts when the canary's pods are ready, plus spec.rollout.warmup (it may lie ahead)",
     )
     failures: int = 0
     inconclusive_streak: int = Field(default=0, alias="inconclusiveStreak")

@@ -97,6 +97,8 @@ INVALID: list[tuple[str, Callable[[dict[str, Any]], None], str]] = [
     ("queue-length-zero", _set("lanes.0.maxQueueLength", 0), "maxQueueLength"),
     ("gpus-negative", _set("resources", {"gpus": -1}), "gpus"),
     ("priority-over-100", _set("lanes.0.priority", 101), "priority"),
+    ("warmup-over-an-hour", _set("rollout.warmup", "2h"), "warmup"),
+    ("warmup-not-a-duration", _set("rollout.warmup", "soon"), "warmup"),
     ("metrics-action-unknown", _set("rollout.onMetricsUnavailable", {"action": "Ignore"}), "action"),
     ("slo-zero", _set("slo.p99Latency", "0s"), "p99Latency"),
     ("missing-slo", _set("slo", None), "slo"),

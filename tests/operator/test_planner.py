@@ -302,6 +302,35 @@ def test_new_revision_starts_canary_at_step_0_waiting_for_pods() -> None:
     assert d.requeue_after == 30
 
 
+def test_warmup_opens_the_first_analysis_window_after_the_pods_have_served() -> None:
+    """spec.rollout.warmup: the step clock (pause and first analysis) starts that long after
+    the canary's pods are all ready, at every step, and the status says so meanwhile."""
+    new = make_spec(batch=16, warmup="20s")
+    sim = healthy(make_spec(warmup="20s"))
+    sim.set_spec(new)
+    d = sim.tick(at(10), converge_after=False)
+    sim.observed = converge(d)
+    d = sim.plan(at(20))  # pods ready at 20: the clock starts at 40
+    r = d.status.rollout
+    assert r is not None and r.step_started_at == at(40)
+    assert "warming up until 2026-11-30T01:00:40Z (spec.rollout.warmup)" in d.status.message
+    assert not analysis_due(new, d.status, at(69))
+    assert analysis_due(new, d.status, at(70))
+    assert d.requeue_after == 50
+    # the same plan a moment later during the warm-up is a fixed point
+    sim.observed = converge(d)
+    again = sim.plan(at(25))
+    assert again.status.rollout is not None and again.status.rollout.step_started_at == at(40)
+    d = sim.tick(at(70))
+    assert d.analysis_outcomes == ("Successful",)
+    assert "warming up" not in d.status.message
+    d = sim.tick(at(100))  # pause (60 s) ends at 100: the next step's pods start
+    assert d.status.current_step_index == 1
+    d = sim.tick(at(101))  # ready at 101: its clock starts at 121
+    assert d.status.rollout is not None and d.status.rollout.step_started_at == at(121)
+    assert not analysis_due(new, d.status, at(150))
+
+
 def test_full_rollout_promotes_through_all_steps() -> None:
     sim = healthy(make_spec())
     old = sim.status.stable_revision
@@ -1111,7 +1140,6 @@ def test_degraded_condition_when_stable_loses_pods() -> None:
     degraded = d.status.condition("Degraded")
     assert degraded is not None and "2/4 ready pods" in degraded.message and "gpu-node-1" in degraded.message
     assert reasons(d) == ["Degraded"]
-    sim.status = d.status
     again = sim.plan(at(6), converge_after=False)
     assert cond(again.status, "Degraded") == ("True", "StableUnderCapacity") and "Degraded" not in reasons(again)
     sim.observed = Observed(stable=TrackObserved(stable, 4, 4))
