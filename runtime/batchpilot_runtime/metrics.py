@@ -110,6 +110,12 @@ class Metrics:
             "load-dependent delay before dispatch (event loop and worker thread sharing cores and the GIL)",
             labels, buckets=LATENCY_BUCKETS, registry=r,
         )  # fmt: skip
+        self.loop_lag_histogram = Histogram(
+            "batchpilot_event_loop_lag_seconds",
+            "How late the HTTP event loop ran a timer due every 20 ms: the wait before the handler that a "
+            "request arriving then has, which the latency histogram does not see (looplag.py)",
+            ["revision"], buckets=LATENCY_BUCKETS, registry=r,
+        )  # fmt: skip
         self.requests = Counter(
             "batchpilot_requests",
             "Requests by outcome and status code",
@@ -131,6 +137,7 @@ class Metrics:
         self.exe = {lane: self.exec_time.labels(lane, revision) for lane in lanes}
         self.rows = {lane: self.batch_rows.labels(lane, revision) for lane in lanes}
         self.cut = {lane: self.cut_delay.labels(lane, revision) for lane in lanes}
+        self.loop_lag = self.loop_lag_histogram.labels(revision)
         self.count: dict[tuple[str, str, str, str], Counter] = {}
         # The tenant every request has when the policy declares none: its series exist from
         # the start, as they did before tenants (a rate over a counter that appears later

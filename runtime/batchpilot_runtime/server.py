@@ -34,6 +34,7 @@ from batchpilot_runtime import __version__, admin
 from batchpilot_runtime.batcher import BatchWorker
 from batchpilot_runtime.capture import FAILED, WARMUP_PASSES, Capture, capture_bounds_from_env
 from batchpilot_runtime.config import RuntimeConfig, load_config
+from batchpilot_runtime.looplag import LoopLagProbe
 from batchpilot_runtime.metrics import CONTENT_TYPE, UNKNOWN_LANE, Metrics
 from batchpilot_runtime.modelproc import ModelProcess
 from batchpilot_runtime.protocol import (
@@ -117,6 +118,7 @@ class Runtime:
         self.idle.set()
         self.capture = Capture(cfg, track, *capture_bounds_from_env())
         self.shedding = RetryAfter(time.monotonic)
+        self.loop_lag: LoopLagProbe | None = None
 
     # -- startup -----------------------------------------------------------------------------
     def load(self) -> None:
@@ -166,6 +168,8 @@ class Runtime:
         self.worker.start()
         # After the worker thread exists (it keeps the priority it was created with).
         deprioritize_this_thread(self.loop_nice)
+        self.loop_lag = LoopLagProbe(self.metrics.loop_lag.observe)
+        self.loop_lag.start()
         self.capture.front_end.tick(time.perf_counter())  # its first window: idle, after the warm-up
         self.ready = True
         log.info(
@@ -590,6 +594,8 @@ async def serve(cfg: RuntimeConfig, host: str, port: int, track: str, loop_nice:
             with contextlib.suppress(BaseException):
                 await loader
         await rt.drain()
+    if rt.loop_lag is not None:
+        await rt.loop_lag.stop()
     await runner.cleanup()
     if rt.worker is not None:
         rt.worker.join(timeout=5.0)

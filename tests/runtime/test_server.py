@@ -345,6 +345,7 @@ async def test_metrics_carry_lane_and_revision_and_consistent_counts(server: Ser
         "batchpilot_requests_total",
         "batchpilot_runtime_info",
         "batchpilot_executor_busy_seconds_total",
+        "batchpilot_event_loop_lag_seconds_bucket",
     ):
         assert required in names, required
     for n, lab, _ in ours:
@@ -354,6 +355,8 @@ async def test_metrics_carry_lane_and_revision_and_consistent_counts(server: Ser
             assert lab == {"revision": "rev-test", "model": "m", "device": "cpu", "dtype": "float32"}
         elif n.startswith("batchpilot_executor_busy_seconds"):
             assert lab == {"revision": "rev-test"}  # one executor for all lanes
+        elif n.startswith("batchpilot_event_loop_lag_seconds"):
+            assert set(lab) <= {"revision", "le"}  # one event loop for all lanes
         else:
             assert "lane" in lab, (n, lab)
     latency = "batchpilot_request_latency_seconds_bucket"
@@ -374,6 +377,9 @@ async def test_metrics_carry_lane_and_revision_and_consistent_counts(server: Ser
     busy = next(v for n, _, v in ours if n == "batchpilot_executor_busy_seconds_total")
     forward = sum(v for n, _, v in ours if n == "batchpilot_model_execution_seconds_sum")
     assert forward > 0 and busy >= forward
+    # The loop-lag probe samples from readiness on, whatever the traffic.
+    lag_samples = next(v for n, _, v in ours if n == "batchpilot_event_loop_lag_seconds_count")
+    assert lag_samples >= 1
 
 
 async def test_sigterm_drains_every_accepted_request(tmp_path: Path) -> None:
