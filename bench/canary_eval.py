@@ -35,8 +35,8 @@ where false rollbacks happen); a cell with 2 replicas runs the same load per pod
 
 Reported per (cell, scenario): the share of rollouts rolled back / promoted / held (Stalled) /
 unfinished within :data:`ROLLOUT_SECONDS`, for bad changes the analyses until rollback, and what
-the first analysis said the gate can see (``detectableP99Regression``; the share of rollouts
-that said up front a 20% regression is out of reach).
+the first analysis said the gate can see (``detectableP99Regression``, ``detectableErrorRate``;
+the share of rollouts that said up front a 20% regression, or a 2% error rate, is out of reach).
 
 Usage: .venv/bin/python bench/canary_eval.py [--rollouts 100] [--out F]; --table F for the README
 """
@@ -614,6 +614,7 @@ def rollout(rule: str, old: PolicySpec, new: PolicySpec, run: Run, start: float)
     d = step(start, None)
     now, analyses, first_failed, seen = start, 0, None, 0.0
     detectable: float | None = None  # what the first analysis said the rollout can see
+    detectable_errors: float | None = None
     outcome = "running"
     while now < run.duration:
         now += d.requeue_after if d.requeue_after else 1.0
@@ -640,6 +641,8 @@ def rollout(rule: str, old: PolicySpec, new: PolicySpec, run: Run, start: float)
             if analyses == 1 and status.last_analysis is not None and status.last_analysis.lanes:
                 found = status.last_analysis.lanes[0].detectable_p99_regression
                 detectable = math.inf if found is None else found
+                rate = status.last_analysis.lanes[0].detectable_error_rate
+                detectable_errors = math.inf if rate is None else rate
             seen = max(seen, *(tally_share(v) for k, v in analysis.tally.items() if k.endswith("/canary")), 0.0)
             if d.analysis_outcomes[0] == "Failed" and first_failed is None:
                 first_failed = analyses
@@ -656,6 +659,7 @@ def rollout(rule: str, old: PolicySpec, new: PolicySpec, run: Run, start: float)
         "seconds": now - start,
         "worst_share_seen": seen,
         "detectable": detectable,
+        "detectable_errors": detectable_errors,
     }
 
 
@@ -819,6 +823,11 @@ def summarize(c: dict[str, Any], scenario: str, failure_limit: int) -> dict[str,
         out["detectable_p99_regression_median"] = sorted(said)[len(said) // 2]
         # a 20% slower model: did the rollout say up front that 20% is below what it can see?
         out["said_20pct_not_detectable"] = round(sum(x > 0.2 for x in said) / len(said), 4)
+    said_errors = [r["detectable_errors"] for r in ro if r.get("detectable_errors") is not None]
+    if said_errors:
+        out["detectable_error_rate_median"] = sorted(said_errors)[len(said_errors) // 2]
+        # a queue shedding 2%: did the rollout say up front that 2% is below what it can see?
+        out["said_2pct_errors_not_detectable"] = round(sum(x > 0.02 for x in said_errors) / len(said_errors), 4)
     if scenario not in GOOD and n:
         out["rolled_back_within_limit_plus_1"] = round(sum(r["analyses"] <= failure_limit + 1 for r in rb) / n, 4)
         out["mean_analyses_to_rollback"] = round(sum(r["analyses"] for r in rb) / len(rb), 2) if rb else None
@@ -852,6 +861,8 @@ def markdown_table(result: dict[str, Any]) -> str:
             extra = f" ({pct(r['held'])} held)" if r.get("held") else ""
             if s == "slower20" and r.get("said_20pct_not_detectable") is not None:
                 extra += f"; {pct(r['said_20pct_not_detectable'])} said 20% is out of reach"
+            if s == "shed2" and r.get("said_2pct_errors_not_detectable") is not None:
+                extra += f"; {pct(r['said_2pct_errors_not_detectable'])} said 2% errors are out of reach"
             cells.append(f"{pct(r['rolled_back'])} of {r['rollouts']}{extra}")
         lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines)

@@ -85,9 +85,9 @@ from dataclasses import dataclass, field
 from datetime import UTC, datetime, timedelta
 from typing import Any, Literal
 
-from batchpilot_operator.analysis import AnalysisResult, LaneVerdict, MetricCheck, Outcome, format_value
+from batchpilot_operator.analysis import AnalysisResult, LaneVerdict, MetricCheck, Outcome, format_share, format_value
 from batchpilot_operator.fairness import fed_alike, gating_analyses
-from batchpilot_operator.power import LIMIT, lane_detectable_regression
+from batchpilot_operator.power import LIMIT, lane_detectable_error_rate, lane_detectable_regression
 from batchpilot_operator.spec import PolicySpec
 from batchpilot_operator.status import (
     FAILED_REVISIONS_LIMIT,
@@ -697,7 +697,7 @@ class _Planner:
                     rejected=_val(rej),
                     stable_rejected=_val(srej),
                     tenants=[_tenant_summary(sl) for sl in lane.slices] or None,
-                    **_detectable(lat, slat, self.spec.rollout.confidence, gating_analyses(self.spec)),
+                    **_detectable(lane, self.spec.rollout.confidence, gating_analyses(self.spec)),
                     **_model_summary(a, lane.lane),
                 )
             )
@@ -1172,22 +1172,31 @@ def _model_summary(a: AnalysisResult, lane: str) -> dict[str, Any]:
     }
 
 
-def _detectable(
-    canary: MetricCheck | None, stable: MetricCheck | None, confidence: float, analyses: int
-) -> dict[str, object]:
+def _detectable(lane: LaneVerdict, confidence: float, analyses: int) -> dict[str, object]:
     """The LaneSummary fields saying what the gate can see at this window's traffic (``power``)
-    over the ``analyses`` windows the rollout's promoting tally can hold."""
-    found = lane_detectable_regression(canary, stable, confidence, analyses) if canary is not None else None
-    if found is None:
-        return {}
-    if math.isinf(found):
-        return {
-            "detects": f"no p99 regression up to {LIMIT + 1:g}x: the stable is far under its SLO or the traffic is thin"
-        }
-    return {
-        "detectable_p99_regression": found,
-        "detects": f"a p99 regression of {found:.0%} or more at the current traffic",
-    }
+    over the ``analyses`` windows the rollout's promoting tally can hold: the smallest p99
+    regression and the smallest error rate."""
+    out: dict[str, object] = {}
+    said: list[str] = []
+    lat, slat = lane.check("p99Latency"), lane.check("p99Latency", "stable")
+    found = lane_detectable_regression(lat, slat, confidence, analyses) if lat is not None else None
+    if found is not None and math.isinf(found):
+        said.append(f"no p99 regression up to {LIMIT + 1:g}x (the stable is far under its SLO or the traffic is thin)")
+    elif found is not None:
+        out["detectable_p99_regression"] = found
+        said.append(f"a p99 regression of {found:.0%} or more")
+    err, serr = lane.check("errorRate"), lane.check("errorRate", "stable")
+    rate = lane_detectable_error_rate(err, serr, confidence, analyses) if err is not None else None
+    if rate is not None and err is not None:
+        budget = f"budget {format_share(err.budget)}"
+        if math.isinf(rate):
+            said.append(f"no error rate at all ({budget}: the traffic is too thin)")
+        else:
+            out["detectable_error_rate"] = rate
+            said.append(f"an error rate of {format_share(rate)} or more ({budget})")
+    if said:
+        out["detects"] = " and ".join(said) + " at the current traffic"
+    return out
 
 
 def _tenant_summary(sl: LaneVerdict) -> TenantSummary:

@@ -1,4 +1,5 @@
-"""What the canary gate can see: the smallest p99 regression a rollout detects. Pure.
+"""What the canary gate can see: the smallest p99 regression and the smallest error rate a
+rollout detects. Pure.
 
 A gate that cannot see a regression passes it blind, so ``kubectl batchpilot status`` says,
 per lane and from the last analysis, "this rollout detects a p99 regression of X% or more at
@@ -23,6 +24,12 @@ counts the regression would produce:
 
 A stable far under its SLO needs a large X before a slowdown breaches at all: the gate judges
 SLO breaches, not changes that stay inside the SLO (README "How the canary verdict decides").
+
+The error objective (requests shed, timed out or failed, against ``maxErrorRate``) gets the
+same treatment without a histogram: the smallest canary error share E that the rule fails on
+the expected counts of the same tally, against the stable's error share of the window
+(:func:`detectable_error_rate`). A queue shedding 2% against a 1% budget is caught from one
+tally when E <= 2%; where the traffic is too thin, the status says so before it matters.
 """
 
 from __future__ import annotations
@@ -51,10 +58,34 @@ def detects(
     """Whether the verdict fails a canary whose latencies are the stable's times ``factor``
     (expected counts over ``canary_requests`` and ``stable_requests``)."""
     total = max(b[1] for b in buckets)
-    if total <= 0 or canary_requests <= 0 or stable_requests <= 0:
+    if total <= 0:
         return False
     p_stable = count_above(buckets, slo) / total
     p_canary = count_above(buckets, slo / factor) / total
+    return fails(
+        p_canary,
+        p_stable,
+        canary_requests=canary_requests,
+        stable_requests=stable_requests,
+        confidence=confidence,
+        budget=budget,
+    )
+
+
+def fails(
+    p_canary: float,
+    p_stable: float,
+    *,
+    canary_requests: float,
+    stable_requests: float,
+    confidence: float,
+    budget: float,
+) -> bool:
+    """The verdict's rule on expected counts: a canary whose share of bad events is
+    ``p_canary`` against the stable's ``p_stable`` fails (over the budget and worse than the
+    stable, each with ``confidence``; twice the stable's share when the stable breaches too)."""
+    if canary_requests <= 0 or stable_requests <= 0:
+        return False
     if p_canary <= budget or 1.0 - binomial_sf(p_canary * canary_requests, canary_requests, budget) < confidence:
         return False  # over the budget with the confidence, as the verdict requires
     if p_stable > budget and p_canary < SHARED_BREACH_RATIO * p_stable:
@@ -63,6 +94,44 @@ def detects(
         p_canary * canary_requests, canary_requests, p_stable * stable_requests, stable_requests
     )
     return worse >= confidence
+
+
+RATE_PRECISION = 0.0005
+"""Error rates are found to 0.05 percentage points."""
+
+
+def detectable_error_rate(
+    stable_share: float,
+    *,
+    canary_requests: float,
+    stable_requests: float,
+    confidence: float,
+    budget: float,
+) -> float:
+    """The smallest share of the canary's requests answered with an error (shed, timed out,
+    failed) that the rule fails, against a stable erring at ``stable_share``, rounded up to
+    :data:`RATE_PRECISION`; ``math.inf`` when not even every request failing is."""
+
+    def ok(p: float) -> bool:
+        return fails(
+            p,
+            stable_share,
+            canary_requests=canary_requests,
+            stable_requests=stable_requests,
+            confidence=confidence,
+            budget=budget,
+        )
+
+    lo, hi = min(max(budget, 0.0), 1.0), 1.0
+    if not ok(hi):
+        return math.inf
+    while hi - lo > RATE_PRECISION / 4:
+        mid = (lo + hi) / 2
+        if ok(mid):
+            hi = mid
+        else:
+            lo = mid
+    return min(1.0, round(math.ceil(round(hi / RATE_PRECISION, 6)) * RATE_PRECISION, 4))
 
 
 def detectable_regression(
@@ -119,4 +188,21 @@ def lane_detectable_regression(
         stable_requests=stable.samples * analyses,
         confidence=confidence,
         budget=stable.budget,
+    )
+
+
+def lane_detectable_error_rate(
+    canary: MetricCheck, stable: MetricCheck | None, confidence: float, analyses: int = TALLY_ANALYSES
+) -> float | None:
+    """:func:`detectable_error_rate` of a lane's error objective from this window's checks, over a
+    tally of ``analyses`` windows at this window's traffic and the stable's error share of the
+    window; None when the window cannot tell (no stable, no requests on either track)."""
+    if stable is None or not canary.samples or not stable.samples:
+        return None
+    return detectable_error_rate(
+        (stable.bad or 0.0) / stable.samples,
+        canary_requests=canary.samples * analyses,
+        stable_requests=stable.samples * analyses,
+        confidence=confidence,
+        budget=canary.budget,
     )

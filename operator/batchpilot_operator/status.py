@@ -224,8 +224,14 @@ class LaneSummary(_Model):
         description="the smallest p99 regression (0.5: 1.5x the stable's) the rollout's tally detects at this "
         "window's traffic (batchpilot_operator.power); absent when none up to 10x is or the window cannot tell",
     )
+    detectable_error_rate: float | None = Field(
+        default=None,
+        alias="detectableErrorRate",
+        description="the smallest share of the canary's requests answered with an error (shed, timed out, failed) "
+        "the rollout's tally detects at this window's traffic and the stable's error share; absent when none is",
+    )
     detects: str | None = None
-    """The same in words, for ``kubectl batchpilot status``."""
+    """Both in words, for ``kubectl batchpilot status``."""
     predicted_p99_latency: float | None = Field(default=None, alias="predictedP99Latency")
     """The latency model's p99 for the canary at the traffic it got in this window (``modelwatch``)."""
     stable_predicted_p99_latency: float | None = Field(default=None, alias="stablePredictedP99Latency")

@@ -11,7 +11,15 @@ import pytest
 
 from batchpilot_operator.analysis import P99_BUDGET, TALLY_ANALYSES, MetricCheck, Outcome, judge
 from batchpilot_operator.fairness import gating_analyses
-from batchpilot_operator.power import LIMIT, detectable_regression, detects, lane_detectable_regression
+from batchpilot_operator.power import (
+    LIMIT,
+    RATE_PRECISION,
+    detectable_error_rate,
+    detectable_regression,
+    detects,
+    lane_detectable_error_rate,
+    lane_detectable_regression,
+)
 from batchpilot_operator.spec import PolicySpec
 from batchpilot_operator.stats import count_above
 from batchpilot_runtime.metrics import LATENCY_BUCKETS
@@ -147,3 +155,66 @@ def test_the_gate_sees_what_its_last_like_for_like_steps_gather() -> None:
     canary = check("canary", 0, 300)
     one, full = (lane_detectable_regression(canary, stable, 0.95, n) for n in (1, TALLY_ANALYSES))
     assert one is not None and full is not None and one > full
+
+
+def error_check(track: str, bad: float, samples: float, budget: float) -> MetricCheck:
+    share = bad / samples
+    return MetricCheck(
+        track=track,  # type: ignore[arg-type]
+        revision=track,
+        lane="interactive",
+        metric="errorRate",
+        query="q",
+        samples_query="n",
+        value=share,
+        samples=samples,
+        threshold=budget,
+        outcome=Outcome.FAILED if share > budget else Outcome.SUCCESSFUL,
+        bad=bad,
+        budget=budget,
+    )
+
+
+def error_verdict(rate: float, stable_share: float, n_canary: int, n_stable: int, budget: float) -> Outcome:
+    """The real verdict on a canary erring at ``rate`` (counts rounded as the pods would give)."""
+    canary = error_check("canary", round(rate * n_canary), n_canary, budget)
+    stable = error_check("stable", round(stable_share * n_stable), n_stable, budget)
+    return judge(canary, stable, 0.95).outcome
+
+
+@pytest.mark.parametrize(
+    ("stable_share", "n_canary", "n_stable", "budget"),
+    [
+        (0.0, 1200, 3600, 0.01),  # a clean stable, the demo's traffic over a tally
+        (0.002, 400, 1200, 0.01),  # thinner, a stable erring a little within its budget
+        (0.015, 2000, 2000, 0.01),  # the stable over its budget itself: 2x its share is needed
+        (0.0, 5000, 5000, 0.05),  # a looser budget
+    ],
+)
+def test_the_detectable_error_rate_is_where_the_verdict_starts_to_fail(
+    stable_share: float, n_canary: int, n_stable: int, budget: float
+) -> None:
+    e = detectable_error_rate(
+        stable_share, canary_requests=n_canary, stable_requests=n_stable, confidence=0.95, budget=budget
+    )
+    assert budget < e < 1
+    if stable_share > budget:
+        assert e >= 2 * stable_share
+    # the verdict on whole counts: fails at E (and above), not a step of counts below it
+    step = max(RATE_PRECISION, 2 / n_canary)
+    assert error_verdict(e + 1 / n_canary, stable_share, n_canary, n_stable, budget) is Outcome.FAILED
+    assert error_verdict(e + 0.02, stable_share, n_canary, n_stable, budget) is Outcome.FAILED
+    assert error_verdict(e - step, stable_share, n_canary, n_stable, budget) is not Outcome.FAILED
+
+
+def test_more_traffic_sees_smaller_error_rates_and_none_is_seen_without_traffic() -> None:
+    def e(n: float) -> float:
+        return detectable_error_rate(0.0, canary_requests=n, stable_requests=3 * n, confidence=0.95, budget=0.01)
+
+    assert e(20_000) < e(2_000) < e(200)
+    # a 2% shed against a 1% budget: out of reach for a thin tally, within it at more traffic
+    assert e(200) > 0.02 > e(20_000)
+    assert math.isinf(e(1))  # 1 request against 3: even a failed one is not clearly worse (Fisher: 25%)
+    canary = error_check("canary", 0, 300, 0.01)
+    assert lane_detectable_error_rate(canary, None, 0.95) is None
+    assert lane_detectable_error_rate(canary, error_check("stable", 0, 900, 0.01), 0.95, 4) == e(1200)

@@ -25,6 +25,7 @@ import pytest
 from batchpilot_operator.analysis import (
     AnalysisResult,
     Measurement,
+    format_share,
     lane_thresholds,
     plan_queries,
     promql_window,
@@ -639,7 +640,14 @@ def test_status_says_what_the_gate_can_see() -> None:
     assert d.status.last_analysis is not None
     lane = d.status.last_analysis.lanes[0]
     assert lane.detectable_p99_regression is not None and 0 < lane.detectable_p99_regression < 9
-    assert lane.detects == f"a p99 regression of {lane.detectable_p99_regression:.0%} or more at the current traffic"
+    # ... and the smallest error rate (shed, timed out, failed) against the lane's budget
+    assert lane.detectable_error_rate is not None and lane.max_error_rate is not None
+    assert lane.max_error_rate < lane.detectable_error_rate <= 1
+    assert lane.detects == (
+        f"a p99 regression of {lane.detectable_p99_regression:.0%} or more and an error rate of "
+        f"{format_share(lane.detectable_error_rate)} or more (budget {format_share(lane.max_error_rate)}) "
+        "at the current traffic"
+    )
     obj = {"metadata": {"name": "chat", "namespace": "ml", "generation": 1}, "spec": {}, "status": d.status.to_dict()}
     console = Console(width=160, record=True)
     console.print(render.status_view(render.summary(obj)))

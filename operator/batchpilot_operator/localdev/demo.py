@@ -306,6 +306,9 @@ def progress_line(status: dict[str, Any]) -> str:
         detectable = lane.get("detectableP99Regression")
         if detectable is not None:
             parts.append(f"detects p99 +{detectable:.0%}")
+        errors_seen = lane.get("detectableErrorRate")
+        if errors_seen is not None:
+            parts.append(f"errors >={errors_seen * 100:.2g}%")
     stalled = [c for c in status.get("conditions", []) if c.get("type") == "Stalled" and c.get("status") == "True"]
     if stalled:
         parts.append(f"Stalled: {stalled[0].get('reason')}")

@@ -125,6 +125,7 @@ def summary(obj: dict[str, Any], decisions: int = 8) -> dict[str, Any]:
                     "stableQueueAge": lane.stable_queue_age,
                     "stableErrorRate": lane.stable_error_rate,
                     "detectableP99Regression": lane.detectable_p99_regression,
+                    "detectableErrorRate": lane.detectable_error_rate,
                     "detects": lane.detects,
                 }
             )
