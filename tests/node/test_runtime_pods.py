@@ -5,6 +5,8 @@ Ready only once their readiness probe answers, and serving inference at their po
 from __future__ import annotations
 
 import datetime as dt
+import json
+import subprocess
 from pathlib import Path
 
 import pytest
@@ -63,3 +65,23 @@ def test_policy_pods_run_on_the_real_node_and_serve(kube: Kube, node: RealNode, 
         assert not [p for p in pods(kube, namespace, "shop") if p["metadata"]["name"] == "privileged"]
     finally:
         op.stop()
+
+
+def test_the_kubelet_is_a_node_not_the_admin(kube: Kube, node: RealNode) -> None:
+    # The kubelet's own credentials (a client certificate from the cluster's CA): it is
+    # system:node:<name> in system:nodes, the Node authorizer keeps it off what its pods do not
+    # need, and NodeRestriction admission keeps it off labels reserved to the cluster.
+    kubelet = [kube.kubectl_bin, f"--kubeconfig={node.workdir / 'kubelet.kubeconfig'}"]
+
+    def as_kubelet(*args: str) -> subprocess.CompletedProcess[str]:
+        return subprocess.run([*kubelet, *args], capture_output=True, text=True, timeout=30, check=False)
+
+    whoami = as_kubelet("auth", "whoami", "-o", "json")
+    assert whoami.returncode == 0, whoami.stderr
+    user = json.loads(whoami.stdout)["status"]["userInfo"]
+    assert user["username"] == f"system:node:{NODE_NAME}" and "system:nodes" in user["groups"]
+    assert as_kubelet("get", "node", NODE_NAME, "-o", "name").stdout.strip() == f"node/{NODE_NAME}"
+    assert as_kubelet("auth", "can-i", "list", "secrets", "--all-namespaces").stdout.strip() == "no"
+    assert as_kubelet("auth", "can-i", "delete", "namespaces").stdout.strip() == "no"
+    relabel = as_kubelet("label", "node", NODE_NAME, "node-restriction.kubernetes.io/pool=gpu")
+    assert relabel.returncode != 0 and "is not allowed to modify labels" in relabel.stderr, relabel.stderr

@@ -144,6 +144,79 @@ def make_pki(pki: Path) -> None:
     _openssl("rsa", "-in", "sa.key", "-pubout", "-out", "sa.pub", cwd=pki)
 
 
+def make_node_credentials(pki: Path, node: str) -> tuple[Path, Path]:
+    """A client certificate for the kubelet of ``node``, signed by the cluster's CA in ``pki``:
+    user ``system:node:<node>`` in group ``system:nodes``, so the apiserver's Node authorizer
+    and NodeRestriction admission confine it to its own Node and the pods bound to it (as
+    kubeadm's kubelets are), instead of the admin's token. Returns (certificate, key)."""
+    crt, key = pki / f"node-{node}.crt", pki / f"node-{node}.key"
+    if crt.exists() and key.exists():
+        return crt, key
+    ext = pki / f"node-{node}.cnf"
+    ext.write_text(
+        "[ext]\nkeyUsage=critical,digitalSignature,keyEncipherment\nextendedKeyUsage=clientAuth\n"
+        "authorityKeyIdentifier=keyid,issuer\n"
+    )
+    csr = pki / f"node-{node}.csr"
+    _openssl(
+        "req",
+        "-newkey",
+        "rsa:2048",
+        "-nodes",
+        "-subj",
+        f"/O=system:nodes/CN=system:node:{node}",
+        "-keyout",
+        key.name,
+        "-out",
+        csr.name,
+        cwd=pki,
+    )
+    _openssl(
+        "x509",
+        "-req",
+        "-in",
+        csr.name,
+        "-CA",
+        "ca.crt",
+        "-CAkey",
+        "ca.key",
+        "-CAcreateserial",
+        "-days",
+        "3650",
+        "-extfile",
+        ext.name,
+        "-extensions",
+        "ext",
+        "-out",
+        crt.name,
+        cwd=pki,
+    )
+    return crt, key
+
+
+def write_cert_kubeconfig(path: Path, server: str, ca: Path, user: str, cert: Path, key: Path) -> None:
+    """A kubeconfig authenticating with a client certificate (a node's, :func:`make_node_credentials`)."""
+    path.write_text(
+        f"""apiVersion: v1
+kind: Config
+clusters:
+- name: local
+  cluster:
+    server: {server}
+    certificate-authority: {ca}
+users:
+- name: {user}
+  user:
+    client-certificate: {cert}
+    client-key: {key}
+contexts:
+- name: local
+  context: {{cluster: local, user: {user}}}
+current-context: local
+"""
+    )
+
+
 def write_kubeconfig(path: Path, server: str, ca: Path, token: str) -> None:
     path.write_text(
         f"""apiVersion: v1
@@ -347,11 +420,13 @@ class LocalCluster:
                     f"--service-account-key-file={pki / 'sa.pub'}",
                     f"--service-account-signing-key-file={pki / 'sa.key'}",
                     f"--service-cluster-ip-range={service_cidr}",
-                    "--authorization-mode=RBAC",
+                    # Node: a real node's kubelet (localdev/realnode.py) acts as system:node:<name>.
+                    "--authorization-mode=Node,RBAC",
                     "--allow-privileged=true",
                     "--enable-priority-and-fairness=false",
                     "--profiling=false",
                     "--disable-admission-plugins=ServiceAccount",
+                    "--enable-admission-plugins=NodeRestriction",
                     "--endpoint-reconciler-type=none",
                     f"--egress-selector-config-file={workdir / 'egress-selector.yaml'}",
                     "--v=1",

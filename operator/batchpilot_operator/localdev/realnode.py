@@ -21,7 +21,9 @@ What this machine needs, and why (each was an error first):
 * the kubelet's ``cgroupRoot`` (one cgroup per v1 hierarchy) is made first, and removed after.
 
 Pods have no default route (only 198.18.0.0/15 via the bridge), no cluster DNS and no service
-account token: nothing in them can reach past the bridge. One real node at a time per machine
+account token: nothing in them can reach past the bridge. The kubelet is ``system:node:bp-node-0``
+(a client certificate from the cluster's CA), held to its own node by the Node authorizer and
+NodeRestriction admission, not the admin. One real node at a time per machine
 (the bridge, its subnet and ``/var/run/netns`` are machine-wide): a lock file says so.
 
 Usage::
@@ -49,9 +51,11 @@ from pathlib import Path
 from types import TracebackType
 from typing import IO, Any
 
+import yaml
+
 from batchpilot_operator.children import LABEL_POLICY, LABEL_REVISION, LABEL_TRACK, RUNTIME_PORT
 from batchpilot_operator.localdev import free_port, podnet
-from batchpilot_operator.localdev.cluster import REPO_ROOT, bin_dir
+from batchpilot_operator.localdev.cluster import REPO_ROOT, bin_dir, make_node_credentials, write_cert_kubeconfig
 
 NODE_NAME = "bp-node-0"
 BRIDGE = "bp-br0"
@@ -349,7 +353,9 @@ class RealNode:
         """Start containerd and a kubelet registered as :data:`NODE_NAME` with the apiserver of
         ``kubeconfig`` (whose CA is ``ca``); import ``images`` (building them first when podman
         has none) and the pause image; wait for the node to be Ready with ``gpus`` of
-        ``nvidia.com/gpu``. The kubelet authenticates with the kubeconfig's credentials."""
+        ``nvidia.com/gpu``. The kubelet authenticates as ``system:node:<name>`` with a client
+        certificate signed by ``ca``'s key (:meth:`kubelet_kubeconfig`); the node's GPUs are
+        patched in with ``kubeconfig``'s credentials."""
         t0 = time.monotonic()
         ensure_node_binaries()
         ensure_images(images)
@@ -511,6 +517,17 @@ class RealNode:
         self.import_image(PAUSE_IMAGE)
 
     # ---- kubelet -----------------------------------------------------------------------
+    def kubelet_kubeconfig(self, ca: Path) -> Path:
+        """The kubelet's own credentials: a client certificate for ``system:node:<name>``
+        signed by the cluster's CA (the key beside ``ca``), so the Node authorizer and
+        NodeRestriction confine it to this node as in a real cluster."""
+        cert, key = make_node_credentials(ca.parent, self.name)
+        admin = yaml.safe_load(self.kubeconfig.read_text())
+        server = admin["clusters"][0]["cluster"]["server"]
+        path = self.workdir / "kubelet.kubeconfig"
+        write_cert_kubeconfig(path, server, ca, f"system:node:{self.name}", cert, key)
+        return path
+
     def _start_kubelet(self, ca: Path) -> None:
         config = self.workdir / "kubelet.yaml"
         config.write_text(kubelet_config(self.workdir, ca, self.socket, free_port()))
@@ -519,7 +536,7 @@ class RealNode:
             [
                 str(bin_dir() / "kubelet"),
                 f"--config={config}",
-                f"--kubeconfig={self.kubeconfig}",
+                f"--kubeconfig={self.kubelet_kubeconfig(ca)}",
                 f"--root-dir={self.workdir / 'kubelet'}",
                 f"--cert-dir={self.workdir / 'pki'}",
                 f"--hostname-override={self.name}",
