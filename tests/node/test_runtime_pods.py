@@ -1,17 +1,24 @@
 """The operator's runtime pods run by a real kubelet and containerd, in a namespace that enforces
 the restricted Pod Security Standard: admitted, started from the image `make images` built,
-Ready only once their readiness probe answers, and serving inference at their pod IPs."""
+Ready only once their readiness probe answers, serving inference at their pod IPs, and sent
+traffic by their Service's EndpointSlices only once ready. The kubelet is a node, not the admin."""
 
 from __future__ import annotations
 
 import datetime as dt
 import json
 import subprocess
+import threading
+import time
+import urllib.request
 from pathlib import Path
 
 import pytest
+from kubernetes import client, config, watch
 
-from batchpilot_operator.localdev.realnode import NODE_NAME, RUNTIME_IMAGE, RealNode
+from batchpilot_operator.children import RUNTIME_PORT
+from batchpilot_operator.localdev.load import TraceReplay
+from batchpilot_operator.localdev.realnode import NODE_NAME, RUNTIME_IMAGE, PodEndpoints, RealNode
 from bpnode import infer, pod_ip, pods, ready_pods, real_policy
 from bptest import NO_PROMETHEUS, Kube, policy_status, start_operator
 
@@ -85,3 +92,65 @@ def test_the_kubelet_is_a_node_not_the_admin(kube: Kube, node: RealNode) -> None
     assert as_kubelet("auth", "can-i", "delete", "namespaces").stdout.strip() == "no"
     relabel = as_kubelet("label", "node", NODE_NAME, "node-restriction.kubernetes.io/pool=gpu")
     assert relabel.returncode != 0 and "is not allowed to modify labels" in relabel.stderr, relabel.stderr
+
+
+def test_readiness_gates_the_services_traffic(kube: Kube, node: RealNode, namespace: str, tmp_path: Path) -> None:
+    # Requests flow from before the pods exist, routed as kube-proxy routes a Service: to the
+    # ready endpoints of its EndpointSlices (PodEndpoints). A watch of those slices records
+    # when the kubelet's readiness probe let each pod in; the pods' own arrival records say
+    # when their first request came.
+    seen: dict[str, list[tuple[float, bool]]] = {}  # pod -> (time, ready) as the slices said
+    stop = threading.Event()
+    api = config.new_client_from_config(config_file=str(kube.kubeconfig))  # type: ignore[no-untyped-call]
+
+    def watch_slices() -> None:
+        w = watch.Watch()  # type: ignore[no-untyped-call]
+        for event in w.stream(  # type: ignore[no-untyped-call]
+            client.DiscoveryV1Api(api).list_namespaced_endpoint_slice,
+            namespace,
+            label_selector="kubernetes.io/service-name=gate",
+            timeout_seconds=300,
+        ):
+            now = time.time()
+            for ep in event["object"].endpoints or []:
+                if ep.target_ref is not None:
+                    seen.setdefault(ep.target_ref.name, []).append((now, bool(ep.conditions.ready)))
+            if stop.is_set():
+                w.stop()  # type: ignore[no-untyped-call]
+
+    watcher = threading.Thread(target=watch_slices, daemon=True)
+    watcher.start()
+    op = start_operator(kube, namespace, tmp_path, NO_PROMETHEUS)
+    endpoints = PodEndpoints(kube.kubeconfig, namespace, "gate").start()
+    replay = TraceReplay([i / 20 for i in range(1, 12_000)], endpoints, model="tiny").start()
+    try:
+        kube.apply(real_policy("gate"), "-n", namespace)
+        stable = kube.wait_for(lambda: ready_pods(kube, namespace, "gate", "stable", 2), 180, "2 ready stable pods")
+        kube.wait_for(lambda: len(endpoints()) == 2, 30, "the replay routing to both pods")
+        answered = sum(s.ok for s in list(replay.stats.values()))
+        kube.wait_for(lambda: sum(s.ok for s in list(replay.stats.values())) >= answered + 60, 60, "60 more answers")
+    finally:
+        replay.stop()
+        endpoints.stop()
+        stop.set()
+        op.stop()
+    assert replay.dropped_no_endpoint > 0  # requests were due while no pod was ready
+    sent = sum(s.sent for s in replay.stats.values())
+    assert sent > 0 and sum(s.errors for s in replay.stats.values()) == 0, dict(replay.stats)
+    for pod in stable:
+        name = pod["metadata"]["name"]
+        states = seen.get(name, [])
+        not_ready = [t for t, ready in states if not ready]
+        ready_at = min((t for t, ready in states if ready), default=None)
+        # The slices listed the pod before its probe passed (model loading), not ready ...
+        assert not_ready and ready_at is not None and max(t for t in not_ready if t < ready_at) < ready_at, states
+        doc = json.loads(
+            urllib.request.urlopen(f"http://{pod_ip(pod)}:{RUNTIME_PORT}/admin/arrivals", timeout=10).read()
+        )
+        (lane,) = doc["lanes"]
+        assert lane["times"], f"pod {name} got no request"
+        first = lane["base"] + lane["times"][0]
+        # ... and it got its first request only after the slices said ready (the routing
+        # re-reads them every 0.5 s; the watch saw the change within its delivery time).
+        assert first > max(not_ready), (name, first, not_ready)
+        assert first >= ready_at - 0.25, (name, first, ready_at)

@@ -680,14 +680,18 @@ class PodEndpoint:
 
 
 class PodEndpoints:
-    """The ready, not terminating pods of one policy, re-read from the apiserver every ``period``
-    seconds in a thread (what the policy's Service would route to; there is no kube-proxy here).
-    Call it for the current list."""
+    """Where the policy's Service routes, as kube-proxy reads it: the endpoints of the Service's
+    EndpointSlices (``kubernetes.io/service-name=<policy>``, both tracks) whose ``ready``
+    condition is true and that are not terminating, re-read every ``period`` seconds in a thread
+    (there is no kube-proxy here). The kubelet's readiness probe sets that condition, so a pod
+    still loading its model gets no request. Call it for the current list."""
 
     def __init__(self, kubeconfig: Path, namespace: str, policy: str, period: float = 0.5) -> None:
         from kubernetes import client, config
 
-        self.core = client.CoreV1Api(config.new_client_from_config(config_file=str(kubeconfig)))  # type: ignore[no-untyped-call]
+        api = config.new_client_from_config(config_file=str(kubeconfig))  # type: ignore[no-untyped-call]
+        self.core = client.CoreV1Api(api)
+        self.discovery = client.DiscoveryV1Api(api)
         self.namespace, self.policy, self.period = namespace, policy, period
         self._current: list[PodEndpoint] = []
         self._stop = threading.Event()
@@ -707,16 +711,26 @@ class PodEndpoints:
         return self._current
 
     def refresh(self) -> None:
-        resp: Any = self.core.list_namespaced_pod(  # raw: the JSON, untyped
+        # raw JSON (untyped): the EndpointSlices say where to route, the pods' labels which
+        # revision and track each address serves.
+        slices: Any = self.discovery.list_namespaced_endpoint_slice(
+            self.namespace, label_selector=f"kubernetes.io/service-name={self.policy}", _preload_content=False
+        )
+        pods: Any = self.core.list_namespaced_pod(
             self.namespace, label_selector=f"{LABEL_POLICY}={self.policy}", _preload_content=False
         )
+        labels = {p["metadata"]["name"]: p["metadata"].get("labels") or {} for p in json.loads(pods.data)["items"]}
         found = []
-        for pod in json.loads(resp.data)["items"]:
-            meta, status = pod["metadata"], pod.get("status") or {}
-            ready = any(c["type"] == "Ready" and c["status"] == "True" for c in status.get("conditions") or [])
-            if ready and status.get("podIP") and not meta.get("deletionTimestamp"):
-                labels = meta.get("labels") or {}
-                found.append(PodEndpoint(meta["name"], status["podIP"], labels[LABEL_REVISION], labels[LABEL_TRACK]))
+        for es in json.loads(slices.data)["items"]:
+            for ep in es.get("endpoints") or []:
+                cond = ep.get("conditions") or {}
+                ref = ep.get("targetRef") or {}
+                pod_labels = labels.get(ref.get("name", ""))
+                if not cond.get("ready") or cond.get("terminating") or not pod_labels or not ep.get("addresses"):
+                    continue
+                found.append(
+                    PodEndpoint(ref["name"], ep["addresses"][0], pod_labels[LABEL_REVISION], pod_labels[LABEL_TRACK])
+                )
         self._current = found
 
     def _run(self) -> None:
