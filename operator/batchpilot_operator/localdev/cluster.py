@@ -14,6 +14,7 @@ Usage::
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import shutil
 import signal
@@ -194,8 +195,9 @@ def make_node_credentials(pki: Path, node: str) -> tuple[Path, Path]:
     return crt, key
 
 
-def write_cert_kubeconfig(path: Path, server: str, ca: Path, user: str, cert: Path, key: Path) -> None:
-    """A kubeconfig authenticating with a client certificate (a node's, :func:`make_node_credentials`)."""
+def _write_kubeconfig(path: Path, server: str, ca: Path, user: str, credentials: dict[str, str]) -> None:
+    """A kubeconfig of one cluster, one user (authenticated by ``credentials``) and one context."""
+    lines = "".join(f"    {key}: {value}\n" for key, value in credentials.items())
     path.write_text(
         f"""apiVersion: v1
 kind: Config
@@ -205,37 +207,23 @@ clusters:
     server: {server}
     certificate-authority: {ca}
 users:
-- name: {user}
+- name: {json.dumps(user)}
   user:
-    client-certificate: {cert}
-    client-key: {key}
-contexts:
+{lines}contexts:
 - name: local
-  context: {{cluster: local, user: {user}}}
+  context: {{cluster: local, user: {json.dumps(user)}}}
 current-context: local
 """
     )
+
+
+def write_cert_kubeconfig(path: Path, server: str, ca: Path, user: str, cert: Path, key: Path) -> None:
+    """A kubeconfig authenticating with a client certificate (a node's, :func:`make_node_credentials`)."""
+    _write_kubeconfig(path, server, ca, user, {"client-certificate": str(cert), "client-key": str(key)})
 
 
 def write_kubeconfig(path: Path, server: str, ca: Path, token: str) -> None:
-    path.write_text(
-        f"""apiVersion: v1
-kind: Config
-clusters:
-- name: local
-  cluster:
-    server: {server}
-    certificate-authority: {ca}
-users:
-- name: admin
-  user:
-    token: {token}
-contexts:
-- name: local
-  context: {{cluster: local, user: admin}}
-current-context: local
-"""
-    )
+    _write_kubeconfig(path, server, ca, "admin", {"token": token})
 
 
 def egress_selector_config(socket_path: Path) -> str:
