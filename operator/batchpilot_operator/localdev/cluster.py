@@ -76,6 +76,31 @@ def _openssl(*args: str, cwd: Path) -> None:
     subprocess.run(["openssl", *args], cwd=cwd, check=True, capture_output=True)
 
 
+def _sign_with_ca(pki: Path, csr: str, extfile: str, out: str) -> None:
+    """Sign ``csr`` with the cluster's CA in ``pki`` (ten years), with the ``[ext]`` section of
+    ``extfile``."""
+    _openssl(
+        "x509",
+        "-req",
+        "-in",
+        csr,
+        "-CA",
+        "ca.crt",
+        "-CAkey",
+        "ca.key",
+        "-CAcreateserial",
+        "-days",
+        "3650",
+        "-extfile",
+        extfile,
+        "-extensions",
+        "ext",
+        "-out",
+        out,
+        cwd=pki,
+    )
+
+
 def make_pki(pki: Path) -> None:
     """A CA, an apiserver serving cert for 127.0.0.1/localhost, and service-account keys."""
     pki.mkdir(parents=True, exist_ok=True)
@@ -121,26 +146,7 @@ def make_pki(pki: Path) -> None:
         "apiserver.csr",
         cwd=pki,
     )
-    _openssl(
-        "x509",
-        "-req",
-        "-in",
-        "apiserver.csr",
-        "-CA",
-        "ca.crt",
-        "-CAkey",
-        "ca.key",
-        "-CAcreateserial",
-        "-days",
-        "3650",
-        "-extfile",
-        "san.cnf",
-        "-extensions",
-        "ext",
-        "-out",
-        "apiserver.crt",
-        cwd=pki,
-    )
+    _sign_with_ca(pki, "apiserver.csr", "san.cnf", "apiserver.crt")
     _openssl("genrsa", "-out", "sa.key", "2048", cwd=pki)
     _openssl("rsa", "-in", "sa.key", "-pubout", "-out", "sa.pub", cwd=pki)
 
@@ -172,26 +178,7 @@ def make_node_credentials(pki: Path, node: str) -> tuple[Path, Path]:
         csr.name,
         cwd=pki,
     )
-    _openssl(
-        "x509",
-        "-req",
-        "-in",
-        csr.name,
-        "-CA",
-        "ca.crt",
-        "-CAkey",
-        "ca.key",
-        "-CAcreateserial",
-        "-days",
-        "3650",
-        "-extfile",
-        ext.name,
-        "-extensions",
-        "ext",
-        "-out",
-        crt.name,
-        cwd=pki,
-    )
+    _sign_with_ca(pki, csr.name, ext.name, crt.name)
     return crt, key
 
 
