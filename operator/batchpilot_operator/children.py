@@ -38,6 +38,11 @@ FIELD_MANAGER = "batchpilot"
 RUNTIME_PORT = 8000
 CONFIG_DIR = "/etc/batchpilot"
 CONFIG_KEY = "config.json"
+ENDPOINT_REMOVAL_SECONDS = 5
+"""How long a deleted pod keeps serving before its SIGTERM (a preStop sleep): the endpoint
+controller marks it terminating at once, but Services route by EndpointSlices that every
+kube-proxy, gateway and client watch learns of a moment later, and until then requests still
+come. Without the wait they meet a draining server (503) or a closed port."""
 
 
 def owner_reference(policy_name: str, policy_uid: str) -> dict[str, Any]:
@@ -186,6 +191,7 @@ def build_deployment(
             "failureThreshold": 60,
             **probe_common,
         },
+        "lifecycle": {"preStop": {"sleep": {"seconds": ENDPOINT_REMOVAL_SECONDS}}},
         "resources": _resources(spec),
         "securityContext": {
             "allowPrivilegeEscalation": False,
@@ -208,7 +214,7 @@ def build_deployment(
         },
         "automountServiceAccountToken": False,
         "enableServiceLinks": False,
-        "terminationGracePeriodSeconds": drain_seconds + 15,
+        "terminationGracePeriodSeconds": ENDPOINT_REMOVAL_SECONDS + drain_seconds + 15,
         "containers": [container],
         "volumes": [
             {"name": "config", "configMap": {"name": configmap_name(policy, revision)}},

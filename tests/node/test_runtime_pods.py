@@ -1,7 +1,8 @@
 """The operator's runtime pods run by a real kubelet and containerd, in a namespace that enforces
 the restricted Pod Security Standard: admitted, started from the image `make images` built,
 Ready only once their readiness probe answers, serving inference at their pod IPs, and sent
-traffic by their Service's EndpointSlices only once ready. The kubelet is a node, not the admin."""
+traffic by their Service's EndpointSlices only once ready (stable and canary pods alike). The
+kubelet is a node, not the admin."""
 
 from __future__ import annotations
 
@@ -12,6 +13,7 @@ import threading
 import time
 import urllib.request
 from pathlib import Path
+from typing import Any
 
 import pytest
 from kubernetes import client, config, watch
@@ -19,7 +21,7 @@ from kubernetes import client, config, watch
 from batchpilot_operator.children import RUNTIME_PORT
 from batchpilot_operator.localdev.load import TraceReplay
 from batchpilot_operator.localdev.realnode import NODE_NAME, RUNTIME_IMAGE, PodEndpoints, RealNode
-from bpnode import infer, pod_ip, pods, ready_pods, real_policy
+from bpnode import infer, is_ready, pod_ip, pods, ready_pods, real_policy
 from bptest import NO_PROMETHEUS, Kube, policy_status, start_operator
 
 pytestmark = [pytest.mark.cluster, pytest.mark.realnode, pytest.mark.slow]
@@ -97,6 +99,18 @@ def test_the_kubelet_is_a_node_not_the_admin(kube: Kube, node: RealNode) -> None
     assert relabel.returncode != 0 and "is not allowed to modify labels" in relabel.stderr, relabel.stderr
 
 
+def first_request_at(pod: dict[str, Any]) -> float:
+    """When the pod's runtime got its first request, from its own arrival records."""
+    doc = json.loads(urllib.request.urlopen(f"http://{pod_ip(pod)}:{RUNTIME_PORT}/admin/arrivals", timeout=10).read())
+    (lane,) = doc["lanes"]
+    assert lane["times"], f"pod {pod['metadata']['name']} got no request"
+    return float(lane["base"] + lane["times"][0])
+
+
+def canary_answers(replay: TraceReplay) -> int:
+    return sum(s.ok for (_, track), s in list(replay.stats.items()) if track == "canary")
+
+
 def test_readiness_gates_the_services_traffic(kube: Kube, node: RealNode, namespace: str, tmp_path: Path) -> None:
     # Requests flow from before the pods exist, routed as kube-proxy routes a Service: to the
     # ready endpoints of its EndpointSlices (PodEndpoints). A watch of those slices records
@@ -138,6 +152,21 @@ def test_readiness_gates_the_services_traffic(kube: Kube, node: RealNode, namesp
         kube.wait_for(lambda: len(endpoints()) == 2, 30, "the replay routing to both pods")
         answered = sum(s.ok for s in list(replay.stats.values()))
         kube.wait_for(lambda: sum(s.ok for s in list(replay.stats.values())) >= answered + 60, 60, "60 more answers")
+        # Read now: the canary's step scales the stable down, and a deleted pod's records go with it.
+        first = {p["metadata"]["name"]: first_request_at(p) for p in stable}
+        # A change: its canary pod joins the same Service while the stable serves (no
+        # Prometheus here, so the rollout holds at its first step with the canary up).
+        (lane,) = real_policy()["spec"]["lanes"]
+        kube.apply(real_policy("gate", lanes=[{**lane, "maxQueueDelay": "3ms"}]), "-n", namespace)
+        canary = kube.wait_for(
+            lambda: [p for p in pods(kube, namespace, "gate", "canary") if is_ready(p)] or None,
+            180,
+            "a ready canary pod",
+        )
+        kube.wait_for(lambda: any(e.track == "canary" for e in endpoints()), 30, "the replay routing to the canary")
+        served = canary_answers(replay)
+        kube.wait_for(lambda: canary_answers(replay) >= served + 20, 60, "20 more answers from the canary")
+        first |= {p["metadata"]["name"]: first_request_at(p) for p in canary}
     finally:
         replay.stop()
         endpoints.stop()
@@ -145,21 +174,17 @@ def test_readiness_gates_the_services_traffic(kube: Kube, node: RealNode, namesp
         op.stop()
     assert replay.dropped_no_endpoint > 0  # requests were due while no pod was ready
     sent = sum(s.sent for s in replay.stats.values())
+    # None failed, not even while a stable pod terminated to make room for the canary: its
+    # preStop sleep kept it serving until the slices dropped it.
     assert sent > 0 and sum(s.errors for s in replay.stats.values()) == 0, dict(replay.stats)
-    for pod in stable:
+    for pod in [*stable, *canary]:
         name = pod["metadata"]["name"]
         states = seen.get(name, [])
-        not_ready = [t for t, ready in states if not ready]
         ready_at = min((t for t, ready in states if ready), default=None)
+        not_ready = [t for t, ready in states if not ready and (ready_at is None or t < ready_at)]
         # The slices listed the pod before its probe passed (model loading), not ready ...
-        assert not_ready and ready_at is not None and max(t for t in not_ready if t < ready_at) < ready_at, states
-        doc = json.loads(
-            urllib.request.urlopen(f"http://{pod_ip(pod)}:{RUNTIME_PORT}/admin/arrivals", timeout=10).read()
-        )
-        (lane,) = doc["lanes"]
-        assert lane["times"], f"pod {name} got no request"
-        first = lane["base"] + lane["times"][0]
+        assert not_ready and ready_at is not None, states
         # ... and it got its first request only after the slices said ready (the routing
         # re-reads them every 0.5 s; the watch saw the change within its delivery time).
-        assert first > max(not_ready), (name, first, not_ready)
-        assert first >= ready_at - 0.25, (name, first, ready_at)
+        assert first[name] > max(not_ready), (name, first[name], not_ready)
+        assert first[name] >= ready_at - 0.25, (name, first[name], ready_at)
