@@ -12,18 +12,24 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import yaml
+from rich.console import Console
 
 from batchpilot_operator.localdev.demo import (
     BATCH,
+    CHANGES,
     LATENCY,
     QUEUE_AGE,
+    REAL_NODE_RESOURCES,
     THROUGHPUT,
+    Demo,
     ReportData,
     draw_report,
     stack_labels,
     summarize,
     summary_table,
 )
+from batchpilot_operator.spec import parse_spec
 
 START = 1_800_000_000.0
 
@@ -230,3 +236,24 @@ def test_tenant_table_shows_each_clients_p99() -> None:
     ]
     text = tenant_table(rows)
     assert "mobile" in text and "200.0ms" in text and "30.0ms" in text
+
+
+def test_the_demo_applies_what_git_holds_and_on_the_real_node_only_smaller_pods(tmp_path: Path) -> None:
+    # kwok's pods cost nothing; on the real node the demo's 8 pods must fit 2 cores and the
+    # machine's memory, so only spec.resources changes there (a revision of its own).
+    def revisions(real_node: bool) -> list[str]:
+        demo = Demo(tmp_path, 24.0, tmp_path / "trace.csv", Console(), real_node=real_node)
+        return [parse_spec(demo.manifest(path)["spec"]).revision() for _, path in CHANGES]
+
+    for _, path in CHANGES:
+        as_in_git = yaml.safe_load(path.read_text())
+        kwok = Demo(tmp_path, 24.0, tmp_path / "trace.csv", Console()).manifest(path)
+        real = Demo(tmp_path, 24.0, tmp_path / "trace.csv", Console(), real_node=True).manifest(path)
+        assert kwok == as_in_git
+        assert real["spec"]["resources"] == {**as_in_git["spec"].get("resources", {}), **REAL_NODE_RESOURCES}
+        assert {k: v for k, v in real["spec"].items() if k != "resources"} == {
+            k: v for k, v in as_in_git["spec"].items() if k != "resources"
+        }
+    on_kwok, on_node = revisions(False), revisions(True)
+    assert len(set(on_kwok)) == len(set(on_node)) == len(CHANGES)  # three revisions either way
+    assert not set(on_kwok) & set(on_node)

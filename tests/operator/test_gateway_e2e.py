@@ -344,7 +344,7 @@ def scenario(kube: Kube, namespace: str, prometheus: PrometheusServer, tmp_path:
             input=json.dumps(httproute("shop", namespace, gw.gateway, "shop", ports)),
         )
         op = start_operator(kube, namespace, tmp_path, prometheus_url=prometheus.url, resync=1.0)
-        front = gw.front("shop")
+        front = gw.front()
         replay = TraceReplay(steady_arrivals(BACKGROUND_RATE), lambda: [front], model="tiny").start()
         sc = Scenario(kube, namespace, op, harness, gw, replay, prometheus.url)
         yield sc

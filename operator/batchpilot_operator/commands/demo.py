@@ -25,10 +25,16 @@ def register(sub: Any) -> None:
         default=REPO_ROOT.parent / "shared" / "traces" / "azure-llm-2023-code.csv",
         help="arrival trace CSV (TIMESTAMP,...) or one timestamp per line",
     )
+    p.add_argument(
+        "--real-node",
+        action="store_true",
+        help="run the pods on a real node (kubelet + containerd, the images of `make images`) instead of kwok "
+        "and the runtime harness; needs root (a bridge, network namespaces, cgroups)",
+    )
     p.set_defaults(func=run)
 
 
 def run(args: argparse.Namespace) -> int:
     from batchpilot_operator.localdev.demo import run_demo
 
-    return run_demo(args.workdir, args.rate, args.trace)
+    return run_demo(args.workdir, args.rate, args.trace, args.real_node)

@@ -9,6 +9,12 @@ and a bad one, rolled back by the operator. It prints progress as it goes, ends 
 ``kubectl batchpilot status``, ``history`` and ``recommend``, and writes a report (PNG plot of p99 latency
 and queue age per revision over time with the rollout events marked, plus the ledger).
 Everything runs under one work directory that is wiped at the start: safe to re-run.
+
+With ``--real-node`` the pods run under a real kubelet and containerd (``localdev/realnode.py``)
+instead of kwok and the harness: the runtime image of ``make images``, readiness probes gating
+the Service's endpoints (``realnode.PodEndpoints``, which Envoy's track proxy follows), Prometheus
+finding the pods by Kubernetes service discovery, the namespace enforcing the restricted Pod
+Security Standard, and each pod asking for :data:`REAL_NODE_RESOURCES`.
 """
 
 from __future__ import annotations
@@ -23,7 +29,7 @@ import signal
 import subprocess
 import sys
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from datetime import datetime
 from pathlib import Path
@@ -36,7 +42,7 @@ from batchpilot_operator.localdev import free_port
 from batchpilot_operator.localdev.cluster import REPO_ROOT, LocalCluster
 from batchpilot_operator.localdev.gateway import LocalGateway, httproute
 from batchpilot_operator.localdev.harness import RuntimeHarness
-from batchpilot_operator.localdev.load import TraceReplay
+from batchpilot_operator.localdev.load import Endpoint, TraceReplay
 from batchpilot_operator.localdev.modelcheck import OutcomeCollector, window_rows, window_table
 from batchpilot_operator.localdev.prometheus import PrometheusServer
 from batchpilot_operator.spec import parse_spec
@@ -51,16 +57,30 @@ CHANGES = [
 POLICY, NAMESPACE, MODEL = "demo-embedder", "demo", "mlp"
 TENANTS = [("web", 0.75), ("mobile", 0.25)]
 """The demo policy's spec.tenants and each one's share of the replayed requests."""
+REAL_NODE_RESOURCES = {"cpu": "200m", "memory": "1536Mi"}
+"""Each pod's requests on the real node (the memory is its limit too)."""
+REAL_NODE_GPUS = 9
+"""``nvidia.com/gpu`` the real node advertises: the demo's 4 stable pods, a canary of up to 4 (a
+step of the gateway keeps the stable whole), and the one pod the stable surges by when it rolls
+to a promoted revision while the canary still serves. With 8 that pod stayed Pending and the
+promotion never finished."""
 DEFAULT_TRACE = REPO_ROOT.parent / "shared" / "traces" / "azure-llm-2023-code.csv"
 
 
 class Demo:
-    def __init__(self, workdir: Path, rate: float, trace: Path, console: Console) -> None:
+    def __init__(self, workdir: Path, rate: float, trace: Path, console: Console, real_node: bool = False) -> None:
         self.workdir, self.rate, self.trace, self.console = workdir, rate, trace, console
+        self.real_node = real_node
+        """Run the pods on a real node (kubelet + containerd, ``localdev/realnode.py``) instead
+        of kwok and the runtime harness."""
         self.started = time.time()
         self.cluster: LocalCluster | None = None
         self.prom: PrometheusServer | None = None
         self.harness: RuntimeHarness | None = None
+        self.node: Any = None
+        """The real node (``realnode.RealNode``) with ``real_node``."""
+        self.pods: Any = None
+        """The real node's ready pods as the policy's Service lists them (``realnode.PodEndpoints``)."""
         self.operator: subprocess.Popen[bytes] | None = None
         self.replay: TraceReplay | None = None
         self.gateway: LocalGateway | None = None
@@ -81,24 +101,30 @@ class Demo:
         self.console.print(f"[dim]{time.strftime('%H:%M:%S')}[/] {text}")
 
     def _start(self) -> None:
-        self.say(
-            "[bold]starting the local control plane[/] (etcd, kube-apiserver, controller-manager, scheduler, kwok)"
-        )
-        self.cluster = LocalCluster.start(self.workdir / "cluster", gpu_nodes=2)
-        self.say(f"control plane up in {self.cluster.started_in:.1f}s; kubeconfig: {self.cluster.kubeconfig}")
-        self.kubectl("apply", "-f", str(REPO_ROOT / "crds" / "batchingpolicy.yaml"))
-        self.cluster.wait_established("batchingpolicies.batchpilot.dev")
-        self.kubectl("create", "namespace", NAMESPACE)
-        self.prom = PrometheusServer(self.workdir / "prometheus", scrape_interval="1s")
-        self.prom.start()
-        self.say(f"Prometheus up at {self.prom.url}")
-        self.harness = RuntimeHarness(self.cluster.kubeconfig, NAMESPACE, self.workdir / "runtime", self.prom).start()
+        if self.real_node:
+            self._start_real_node()
+        else:
+            self.say(
+                "[bold]starting the local control plane[/] (etcd, kube-apiserver, controller-manager, scheduler, kwok)"
+            )
+            self.cluster = LocalCluster.start(self.workdir / "cluster", gpu_nodes=2)
+            self.say(f"control plane up in {self.cluster.started_in:.1f}s; kubeconfig: {self.cluster.kubeconfig}")
+            self.kubectl("apply", "-f", str(REPO_ROOT / "crds" / "batchingpolicy.yaml"))
+            self.cluster.wait_established("batchingpolicies.batchpilot.dev")
+            self.kubectl("create", "namespace", NAMESPACE)
+            self.prom = PrometheusServer(self.workdir / "prometheus", scrape_interval="1s")
+            self.prom.start()
+            self.say(f"Prometheus up at {self.prom.url}")
+            self.harness = RuntimeHarness(
+                self.cluster.kubeconfig, NAMESPACE, self.workdir / "runtime", self.prom
+            ).start()
+        assert self.cluster is not None and self.prom is not None
         self.gateway = LocalGateway(
             self.cluster.kubeconfig,
             str(self.cluster.bin_dir / "kubectl"),
             self.workdir / "gateway",
             NAMESPACE,
-            self.harness.endpoints,
+            lambda _policy: self.endpoints(),
         ).start()
         self.gateway.add_policy(POLICY)
         ports = {t: self.gateway.proxy.ports[(POLICY, t)] for t in ("stable", "canary")}
@@ -107,6 +133,35 @@ class Demo:
         self.say(f"Contour + Envoy serving the Gateway at {self.gateway.url} (HTTPRoute {POLICY})")
         self.operator = start_operator(self.cluster.kubeconfig, self.prom.url, self.workdir / "operator.log", NAMESPACE)
         self.say(f"operator running (log: {self.workdir / 'operator.log'})")
+
+    def _start_real_node(self) -> None:
+        """The control plane with no kwok node and the real node beside it: the operator's pods
+        run the runtime image under a kubelet and containerd, in a namespace that enforces the
+        restricted Pod Security Standard; Prometheus finds them by Kubernetes service discovery
+        and requests reach them at their addresses on the node's bridge (as ``batchpilot up
+        --real-node``)."""
+        from batchpilot_operator.localdev.cluster import ADMIN_TOKEN
+        from batchpilot_operator.localdev.prometheus import KubernetesSD
+        from batchpilot_operator.localdev.realnode import RUNTIME_IMAGE, PodEndpoints, RealNode
+
+        self.say("[bold]starting the local control plane[/] (etcd, kube-apiserver, controller-manager, scheduler)")
+        self.cluster = LocalCluster.start(self.workdir / "cluster", gpu_nodes=0)
+        self.say(f"control plane up in {self.cluster.started_in:.1f}s; kubeconfig: {self.cluster.kubeconfig}")
+        self.say("[bold]starting the real node[/] (kubelet + containerd; builds and imports the images when stale)")
+        ca = self.cluster.workdir / "pki" / "ca.crt"
+        self.node = RealNode.start(self.cluster.kubeconfig, ca, self.workdir / "node", gpus=REAL_NODE_GPUS)
+        # The manifests name the image a registry would serve; containerd has it under that name too.
+        self.node.alias(RUNTIME_IMAGE, f"ghcr.io/batchpilot/runtime:{RUNTIME_IMAGE.rsplit(':', 1)[1]}")
+        self.say(f"node {self.node.name} Ready in {self.node.started_in:.1f}s ({REAL_NODE_GPUS} nvidia.com/gpu)")
+        self.kubectl("apply", "-f", str(REPO_ROOT / "crds" / "batchingpolicy.yaml"))
+        self.cluster.wait_established("batchingpolicies.batchpilot.dev")
+        self.kubectl("create", "namespace", NAMESPACE)
+        self.kubectl("label", "namespace", NAMESPACE, "pod-security.kubernetes.io/enforce=restricted")
+        sd = KubernetesSD(self.cluster.server, ca, ADMIN_TOKEN, (NAMESPACE,))
+        self.prom = PrometheusServer(self.workdir / "prometheus", scrape_interval="1s", kubernetes_sd=sd)
+        self.prom.start()
+        self.say(f"Prometheus up at {self.prom.url} (Kubernetes service discovery)")
+        self.pods = PodEndpoints(self.cluster.kubeconfig, NAMESPACE, POLICY).start()
 
     def _stop(self) -> None:
         if self.collector:
@@ -121,10 +176,34 @@ class Demo:
             self.gateway.stop()
         if self.harness:
             self.harness.stop()
+        if self.pods is not None:
+            self.pods.stop()
         if self.prom:
             self.prom.stop()
+        if self.node is not None:
+            problems = self.node.stop()
+            if problems:
+                self.say(f"[yellow]real node clean-up left[/]: {problems}")
         if self.cluster:
             self.cluster.stop()
+
+    def endpoints(self) -> Sequence[Endpoint]:
+        """The policy's ready pods: the harness's runtime processes, or the real node's pods
+        whose readiness probe passed."""
+        if self.pods is not None:
+            pods: Sequence[Endpoint] = self.pods()
+            return pods
+        return self.harness.endpoints(POLICY) if self.harness is not None else []
+
+    def wait_ready(self, count: int, timeout: float) -> None:
+        if self.harness is not None:
+            self.harness.wait_ready(POLICY, count, timeout=timeout)
+            return
+        deadline = time.monotonic() + timeout
+        while len(self.endpoints()) < count:
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"{count} ready pods of {POLICY} not within {timeout:.0f}s")
+            time.sleep(0.5)
 
     # ---- helpers -----------------------------------------------------------------------------
     def kubectl(self, *args: str, check: bool = True) -> str:
@@ -151,9 +230,20 @@ class Demo:
                 self.analyses[key] = entry
         return status
 
+    def manifest(self, path: Path) -> dict[str, Any]:
+        """The policy in ``path`` as the demo applies it: as Git holds it, except that on the real
+        node every pod asks for :data:`REAL_NODE_RESOURCES` (the node's 2 cores and the machine's
+        memory hold 8 pods at that size, not at the 1 CPU and 4Gi the policy's defaults give)."""
+        doc: dict[str, Any] = yaml.safe_load(path.read_text())
+        if self.real_node:
+            doc["spec"]["resources"] = {**doc["spec"].get("resources", {}), **REAL_NODE_RESOURCES}
+        return doc
+
     def gitops_apply(self, path: Path) -> None:
         """What Argo CD does on sync: server-side apply under its own field manager."""
-        self.kubectl("apply", "--server-side", "--field-manager=argocd-controller", "-f", str(path))
+        self.kubectl_input(
+            json.dumps(self.manifest(path)), "apply", "--server-side", "--field-manager=argocd-controller", "-f", "-"
+        )
 
     def wait(self, done: Callable[[dict[str, Any]], bool], timeout: float, what: str) -> dict[str, Any]:
         deadline = time.monotonic() + timeout
@@ -173,12 +263,11 @@ class Demo:
 
     # ---- the scenario --------------------------------------------------------------------
     def run(self) -> dict[str, Any]:
-        assert self.harness is not None
         label, path = CHANGES[0]
         self.say(f"[bold]git push[/] {label} ({path.name})")
         self.gitops_apply(path)
         first = self.wait(lambda s: s.get("phase") == "Healthy", 300, "the first revision")
-        self.harness.wait_ready(POLICY, 4, timeout=300)
+        self.wait_ready(4, timeout=300)
         trace = load_trace(self.trace)
         self.say(
             f"replaying {trace.count} arrivals of {self.trace.name} (burstiness: gap CV {trace.gap_cv():.1f}) "
@@ -190,8 +279,8 @@ class Demo:
             f"two clients share it: {', '.join(f'{t} {w:.0%}' for t, w in TENANTS)} of the requests (X-Batchpilot-Tenant)"
         )
         # The model's p99 against the pods' for every analysis window (the report's model.json).
-        self.collector = OutcomeCollector(lambda: self.harness.endpoints(POLICY) if self.harness else []).start()
-        front = [self.gateway.front(POLICY)]
+        self.collector = OutcomeCollector(self.endpoints).start()
+        front = [self.gateway.front()]
         self.replay = TraceReplay(trace.scaled_arrivals(self.rate), lambda: front, MODEL, tenants=TENANTS).start()
         time.sleep(5)  # a few seconds of steady traffic on the stable revision before changing it
 
@@ -216,7 +305,7 @@ class Demo:
         label, path = CHANGES[2]
         self.say(f"[bold]git push[/] {label} ({path.name})")
         self.gitops_apply(path)
-        bad_revision = revision_of(path)
+        bad_revision = parse_spec(self.manifest(path)["spec"]).revision()
         bad = self.wait(
             lambda s: s.get("phase") == "RolledBack" and s.get("desiredRevision") == bad_revision,
             420,
@@ -270,12 +359,6 @@ def start_operator(
             stdin=subprocess.DEVNULL,
             env={**os.environ, "PYTHONUNBUFFERED": "1"},
         )
-
-
-def revision_of(path: Path) -> str:
-    """The revision the operator will compute for the policy in ``path``."""
-    doc = yaml.safe_load(path.read_text())
-    return parse_spec(doc["spec"]).revision()
 
 
 def progress_line(status: dict[str, Any]) -> str:
@@ -657,13 +740,13 @@ def write_report(demo: Demo, final_status: dict[str, Any], out: Path) -> Path:
     return png
 
 
-def run_demo(workdir: Path, rate: float, trace: Path) -> int:
+def run_demo(workdir: Path, rate: float, trace: Path, real_node: bool = False) -> int:
     console = Console(soft_wrap=True)
     t0 = time.monotonic()
     if workdir.exists():
         shutil.rmtree(workdir)  # a previous run's cluster, TSDB and logs: start clean
     workdir.mkdir(parents=True)
-    demo = Demo(workdir, rate, trace, console)
+    demo = Demo(workdir, rate, trace, console, real_node)
 
     def terminate(signum: int, _frame: object) -> None:
         raise SystemExit(128 + signum)  # unwinds through demo.running(): everything is stopped

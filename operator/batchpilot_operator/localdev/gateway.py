@@ -45,9 +45,11 @@ import tempfile
 import threading
 import time
 import urllib.error
+import urllib.parse
 import urllib.request
 from collections import Counter
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -56,7 +58,7 @@ import yaml
 from batchpilot_operator.children import LABEL_POLICY, LABEL_TRACK
 from batchpilot_operator.localdev import free_port
 from batchpilot_operator.localdev.cluster import REPO_ROOT, wait_established
-from batchpilot_operator.localdev.harness import RuntimeProcess
+from batchpilot_operator.localdev.load import Endpoint
 
 DEFAULT_BIN_DIR = REPO_ROOT / ".cache" / "contour-bin"
 CONTROLLER_NAME = "projectcontour.io/gateway-controller"
@@ -67,8 +69,9 @@ _ACCESS_LINE = re.compile(r'^\[[^\]]+\] "[A-Z]+ \S+ \S+" (?P<status>\d+) (?P<fla
 READY_WAIT = 30.0
 """Seconds a connection to a track waits for a ready runtime process before it is closed."""
 
-Endpoints = Callable[[str], list[RuntimeProcess]]
-"""policy -> its ready runtime processes (``RuntimeHarness.endpoints``)."""
+Endpoints = Callable[[str], Sequence[Endpoint]]
+"""policy -> its ready endpoints: the runtime harness's processes (``RuntimeHarness.endpoints``)
+or a real node's ready pods (``realnode.PodEndpoints``)."""
 
 
 class GatewayError(RuntimeError):
@@ -115,9 +118,19 @@ def install_crds(kubectl: list[str]) -> None:
 # --------------------------------------------------------------------------- track proxy
 
 
+@dataclass(frozen=True)
+class GatewayFront:
+    """The Gateway's listener as a request target (a ``load.Endpoint``): Envoy picks the track."""
+
+    url: str
+    revision: str = "-"
+    track: str = "gateway"
+
+
 class TrackProxy:
     """TCP proxies on 127.0.0.1, one per (policy, track): each connection goes to the next
-    ready runtime process of that track (round robin), as kube-proxy would send it to an endpoint."""
+    ready endpoint of that track (round robin; a runtime process on 127.0.0.1 or a real pod at
+    its address on the node's bridge), as kube-proxy would send it to an endpoint."""
 
     def __init__(self, endpoints: Endpoints) -> None:
         self.endpoints = endpoints
@@ -152,7 +165,7 @@ class TrackProxy:
         while True:
             # off the loop: the harness holds its lock while it starts or drains a process
             ready = await loop.run_in_executor(None, self.endpoints, policy)
-            targets = sorted((p for p in ready if p.track == track), key=lambda p: p.pod)
+            targets = sorted((p for p in ready if p.track == track), key=lambda p: p.url)
             if targets or loop.time() > deadline:
                 break
             # kwok reports a pod Ready before the harness's process has loaded its model (in a
@@ -161,9 +174,9 @@ class TrackProxy:
         if not targets:
             writer.close()
             return
-        target = targets[next(self._counters[key]) % len(targets)]
+        target = urllib.parse.urlsplit(targets[next(self._counters[key]) % len(targets)].url)
         try:
-            up_reader, up_writer = await asyncio.open_connection("127.0.0.1", target.port)
+            up_reader, up_writer = await asyncio.open_connection(target.hostname, target.port)
         except OSError:
             writer.close()
             return
@@ -385,18 +398,10 @@ class LocalGateway:
             time.sleep(0.3)
         raise GatewayError(f"Envoy did not serve {path} within {timeout}s (last: {last}); logs in {self.workdir}")
 
-    def front(self, policy: str) -> RuntimeProcess:
+    def front(self) -> GatewayFront:
         """Envoy's listener as the one target of a ``TraceReplay`` (the replay's per-track
         stats then say ``gateway``; which track served is in the runtimes' own metrics)."""
-        return RuntimeProcess(
-            pod="gateway",
-            policy=policy,
-            revision="-",
-            track="gateway",
-            port=self.envoy_port,
-            proc=None,  # type: ignore[arg-type]  # not a process of ours
-            ready=True,
-        )
+        return GatewayFront(self.url)
 
     def data_plane_failures(self) -> Counter[str]:
         """Requests Envoy itself failed or cut, from its access log: each line whose response
@@ -497,4 +502,4 @@ def httproute(name: str, namespace: str, gateway: str, policy: str, ports: dict[
     }
 
 
-__all__ = ["GatewayError", "LocalGateway", "TrackProxy", "ensure_contour", "httproute", "install_crds"]
+__all__ = ["GatewayError", "GatewayFront", "LocalGateway", "TrackProxy", "ensure_contour", "httproute", "install_crds"]
