@@ -958,10 +958,14 @@ class _Planner:
                     detail += f"; failures {r.failures}/{spec.rollout.failure_limit}"
             return Phase.PROGRESSING, f"{where}: {detail}"
         if finishing:
-            return Phase.PROGRESSING, (
+            message = (
                 f"revision {st.stable_revision} promoted; stable scaling up ({stable_ready}/{n} ready), "
                 "then the canary Deployment goes away"
             )
+            # The stable rolls beside the canary's pods, one more than both at its surge: on a
+            # GPU pool sized to the steps its new pod may wait for a GPU that never frees.
+            why = self.inputs.pod_trouble.get("stable")
+            return Phase.PROGRESSING, f"{message}; waiting on {why}" if why else message
         if st.is_failed(self.desired) and self.desired != st.stable_revision:
             failed = next(f for f in st.failed_revisions if f.revision == self.desired)
             return Phase.ROLLED_BACK, (

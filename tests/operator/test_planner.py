@@ -34,6 +34,7 @@ from batchpilot_operator.planner import (
     analysis_due,
     analysis_target,
     plan,
+    pods_needed,
     split_replicas,
 )
 from batchpilot_operator.spec import PolicySpec
@@ -381,6 +382,26 @@ def test_promotion_keeps_canary_until_stable_is_ready() -> None:
     d = sim.plan(at(7))
     assert d.status.phase is Phase.HEALTHY and d.canary_revision is None and d.canary_replicas == 0
     assert d.rollout_outcomes == ()  # promoted once, not again
+
+
+def test_a_promotion_waiting_for_a_gpu_says_so() -> None:
+    # The stable rolls to the promoted revision beside the canary's pods: on a pool sized to the
+    # steps its surge pod finds no GPU, and the phase message carries the scheduler's reason.
+    sim = healthy(make_spec(), roundtrip=True)
+    new = make_spec(batch=16)
+    start_canary(sim, at(0), new)
+    sim.commands = Commands(promote="bob@t1")
+    sim.tick(at(5), converge_after=False)
+    sim.observed = Observed(stable=TrackObserved(new.revision(), 4, 3), canary=TrackObserved(new.revision(), 1, 1))
+    assert pods_needed(new, sim.status, sim.observed, at(6)) == ("stable",)
+    why = "pod chat-stable-x: Unschedulable: 0/1 nodes are available: 1 Insufficient nvidia.com/gpu"
+    inputs = PlanInputs(
+        spec=new, generation=sim.generation, status=sim.status, observed=sim.observed, now=at(6), commands=sim.commands
+    )
+    d = plan(dataclasses.replace(inputs, pod_trouble={"stable": why}))
+    assert d.status.phase is Phase.PROGRESSING and (d.canary_revision, d.canary_replicas) == (new.revision(), 1)
+    assert d.status.message.endswith(f"; waiting on {why}"), d.status.message
+    assert "waiting on" not in plan(inputs).status.message  # a pod merely starting says nothing
 
 
 def test_two_lanes_step_needs_a_successful_analysis_of_every_lane() -> None:
@@ -1106,7 +1127,7 @@ def test_progress_deadline_must_be_a_positive_duration(text: str) -> None:
 
 
 def test_pods_needed_only_in_trouble() -> None:
-    from batchpilot_operator.planner import canary_deadline_passed, pods_needed
+    from batchpilot_operator.planner import canary_deadline_passed
 
     sim = healthy(make_spec())
     stable = sim.status.stable_revision
