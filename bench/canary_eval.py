@@ -814,6 +814,7 @@ def summarize(c: dict[str, Any], scenario: str, failure_limit: int) -> dict[str,
     promoted = [r for r in ro if r["outcome"] == "Promoted"]
     if promoted:
         out["mean_seconds_to_promotion"] = round(sum(r["seconds"] for r in promoted) / len(promoted), 1)
+        out["mean_analyses_to_promotion"] = round(sum(r["analyses"] for r in promoted) / len(promoted), 2)
     if scenario not in GOOD and promoted:
         # Did the canary show its fault at all while it ran? (a fault that only bursts bring out
         # cannot be seen by a rollout that met no burst)
