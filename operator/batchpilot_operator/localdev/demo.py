@@ -33,7 +33,7 @@ from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from datetime import datetime
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import yaml
 from rich.console import Console
@@ -47,6 +47,9 @@ from batchpilot_operator.localdev.modelcheck import OutcomeCollector, window_row
 from batchpilot_operator.localdev.prometheus import PrometheusServer
 from batchpilot_operator.spec import parse_spec
 from batchpilot_operator.tune.trace import load_trace
+
+if TYPE_CHECKING:  # started only with --real-node, imported there
+    from batchpilot_operator.localdev.realnode import PodEndpoints, RealNode
 
 DEMO_DIR = REPO_ROOT / "manifests" / "demo"
 CHANGES = [
@@ -77,9 +80,9 @@ class Demo:
         self.cluster: LocalCluster | None = None
         self.prom: PrometheusServer | None = None
         self.harness: RuntimeHarness | None = None
-        self.node: Any = None
+        self.node: RealNode | None = None
         """The real node (``realnode.RealNode``) with ``real_node``."""
-        self.pods: Any = None
+        self.pods: PodEndpoints | None = None
         """The real node's ready pods as the policy's Service lists them (``realnode.PodEndpoints``)."""
         self.operator: subprocess.Popen[bytes] | None = None
         self.replay: TraceReplay | None = None
@@ -233,7 +236,7 @@ class Demo:
     def manifest(self, path: Path) -> dict[str, Any]:
         """The policy in ``path`` as the demo applies it: as Git holds it, except that on the real
         node every pod asks for :data:`REAL_NODE_RESOURCES` (the node's 2 cores and the machine's
-        memory hold 8 pods at that size, not at the 1 CPU and 4Gi the policy's defaults give)."""
+        memory hold the demo's 9 pods at that size, not at the 1 CPU and 4Gi the policy's defaults give)."""
         doc: dict[str, Any] = yaml.safe_load(path.read_text())
         if self.real_node:
             doc["spec"]["resources"] = {**doc["spec"].get("resources", {}), **REAL_NODE_RESOURCES}
