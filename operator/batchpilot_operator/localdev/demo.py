@@ -143,26 +143,15 @@ class Demo:
         restricted Pod Security Standard; Prometheus finds them by Kubernetes service discovery
         and requests reach them at their addresses on the node's bridge (as ``batchpilot up
         --real-node``)."""
-        from batchpilot_operator.localdev.cluster import ADMIN_TOKEN
-        from batchpilot_operator.localdev.prometheus import KubernetesSD
-        from batchpilot_operator.localdev.realnode import RUNTIME_IMAGE, PodEndpoints, RealNode
+        from batchpilot_operator.localdev.realnode import PodEndpoints, prepare_namespace, start_beside
 
         self.say("[bold]starting the local control plane[/] (etcd, kube-apiserver, controller-manager, scheduler)")
         self.cluster = LocalCluster.start(self.workdir / "cluster", gpu_nodes=0)
         self.say(f"control plane up in {self.cluster.started_in:.1f}s; kubeconfig: {self.cluster.kubeconfig}")
         self.say("[bold]starting the real node[/] (kubelet + containerd; builds and imports the images when stale)")
-        ca = self.cluster.workdir / "pki" / "ca.crt"
-        self.node = RealNode.start(self.cluster.kubeconfig, ca, self.workdir / "node", gpus=REAL_NODE_GPUS)
-        # The manifests name the image a registry would serve; containerd has it under that name too.
-        self.node.alias(RUNTIME_IMAGE, f"ghcr.io/batchpilot/runtime:{RUNTIME_IMAGE.rsplit(':', 1)[1]}")
+        self.node = start_beside(self.cluster, self.workdir / "node", gpus=REAL_NODE_GPUS)
         self.say(f"node {self.node.name} Ready in {self.node.started_in:.1f}s ({REAL_NODE_GPUS} nvidia.com/gpu)")
-        self.kubectl("apply", "-f", str(REPO_ROOT / "crds" / "batchingpolicy.yaml"))
-        self.cluster.wait_established("batchingpolicies.batchpilot.dev")
-        self.kubectl("create", "namespace", NAMESPACE)
-        self.kubectl("label", "namespace", NAMESPACE, "pod-security.kubernetes.io/enforce=restricted")
-        sd = KubernetesSD(self.cluster.server, ca, ADMIN_TOKEN, (NAMESPACE,))
-        self.prom = PrometheusServer(self.workdir / "prometheus", scrape_interval="1s", kubernetes_sd=sd)
-        self.prom.start()
+        self.prom = prepare_namespace(self.cluster, NAMESPACE, self.workdir / "prometheus")
         self.say(f"Prometheus up at {self.prom.url} (Kubernetes service discovery)")
         self.pods = PodEndpoints(self.cluster.kubeconfig, NAMESPACE, POLICY).start()
 

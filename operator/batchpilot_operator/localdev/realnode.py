@@ -55,7 +55,15 @@ import yaml
 
 from batchpilot_operator.children import LABEL_POLICY, LABEL_REVISION, LABEL_TRACK, RUNTIME_PORT
 from batchpilot_operator.localdev import free_port, podnet
-from batchpilot_operator.localdev.cluster import REPO_ROOT, bin_dir, make_node_credentials, write_cert_kubeconfig
+from batchpilot_operator.localdev.cluster import (
+    ADMIN_TOKEN,
+    REPO_ROOT,
+    LocalCluster,
+    bin_dir,
+    make_node_credentials,
+    write_cert_kubeconfig,
+)
+from batchpilot_operator.localdev.prometheus import KubernetesSD, PrometheusServer
 
 NODE_NAME = "bp-node-0"
 BRIDGE = "bp-br0"
@@ -87,6 +95,8 @@ VERSION = next(
 )
 RUNTIME_IMAGE = f"localhost/batchpilot/runtime:{VERSION}"
 OPERATOR_IMAGE = f"localhost/batchpilot/operator:{VERSION}"
+REGISTRY_RUNTIME_IMAGE = f"ghcr.io/batchpilot/runtime:{VERSION}"
+"""The runtime image as the manifests name it (a registry would serve it)."""
 
 
 class RealNodeError(RuntimeError):
@@ -662,6 +672,31 @@ class RealNode:
         self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
     ) -> None:
         self.stop()
+
+
+def start_beside(cluster: LocalCluster, workdir: Path, *, gpus: int = 4) -> RealNode:
+    """The real node of ``cluster`` (its CA signs the kubelet's certificate), which also has the
+    runtime image under the name the manifests give it (:data:`REGISTRY_RUNTIME_IMAGE`), so that
+    an example or the demo's policy runs as written."""
+    node = RealNode.start(cluster.kubeconfig, cluster.workdir / "pki" / "ca.crt", workdir, gpus=gpus)
+    node.alias(RUNTIME_IMAGE, REGISTRY_RUNTIME_IMAGE)
+    return node
+
+
+def prepare_namespace(cluster: LocalCluster, namespace: str, workdir: Path) -> PrometheusServer:
+    """Make ``cluster`` ready for policies in ``namespace`` on the real node: the CRD
+    established, ``namespace`` (created when absent) enforcing the restricted Pod Security
+    Standard, and a Prometheus in ``workdir`` scraping every second the pods it finds there by
+    Kubernetes service discovery, as the PodMonitor does in a cluster. Returns it started."""
+    cluster.kubectl("apply", "-f", str(REPO_ROOT / "crds" / "batchingpolicy.yaml"))
+    cluster.wait_established("batchingpolicies.batchpilot.dev")
+    if cluster.kubectl("get", "namespace", namespace, "--ignore-not-found", "-o", "name") == "":
+        cluster.kubectl("create", "namespace", namespace)
+    cluster.kubectl("label", "--overwrite", "namespace", namespace, "pod-security.kubernetes.io/enforce=restricted")
+    sd = KubernetesSD(cluster.server, cluster.workdir / "pki" / "ca.crt", ADMIN_TOKEN, (namespace,))
+    prom = PrometheusServer(workdir, scrape_interval="1s", kubernetes_sd=sd)
+    prom.start()
+    return prom
 
 
 @dataclass(frozen=True)

@@ -252,31 +252,18 @@ class Supervisor:
         """The control plane with no kwok node, the real node beside it (kubelet + containerd:
         the operator's pods run the runtime image), Prometheus finding them through Kubernetes
         service discovery, the operator."""
-        from batchpilot_operator.localdev.cluster import ADMIN_TOKEN, REPO_ROOT, LocalCluster
+        from batchpilot_operator.localdev.cluster import LocalCluster
         from batchpilot_operator.localdev.demo import start_operator
-        from batchpilot_operator.localdev.prometheus import KubernetesSD, PrometheusServer
-        from batchpilot_operator.localdev.realnode import RUNTIME_IMAGE, RealNode
+        from batchpilot_operator.localdev.realnode import prepare_namespace, start_beside
 
         self.log("starting the local control plane (no kwok node)")
-        self.cluster = LocalCluster.start(self.workdir / "cluster", gpu_nodes=0, service_cidr="198.19.0.0/16")
+        self.cluster = LocalCluster.start(self.workdir / "cluster", gpu_nodes=0)
         self.save(kubeconfig=str(self.cluster.kubeconfig), kubectl=str(self.cluster.bin_dir / "kubectl"))
         self.log("starting the real node (kubelet + containerd; builds and imports the images when stale)")
-        ca = self.cluster.workdir / "pki" / "ca.crt"
-        self.node = RealNode.start(self.cluster.kubeconfig, ca, self.workdir / "node")
-        # The examples name the image a registry would serve; containerd has it under that name too.
-        self.node.alias(RUNTIME_IMAGE, f"ghcr.io/batchpilot/runtime:{RUNTIME_IMAGE.rsplit(':', 1)[1]}")
+        self.node = start_beside(self.cluster, self.workdir / "node")
         self.save(node=self.node.name)
-        self.cluster.kubectl("apply", "-f", str(REPO_ROOT / "crds" / "batchingpolicy.yaml"))
-        self.cluster.wait_established(CRD_NAME)
-        if self.cluster.kubectl("get", "namespace", self.namespace, "--ignore-not-found", "-o", "name") == "":
-            self.cluster.kubectl("create", "namespace", self.namespace)
-        self.cluster.kubectl(
-            "label", "--overwrite", "namespace", self.namespace, "pod-security.kubernetes.io/enforce=restricted"
-        )
         self.log("starting Prometheus (Kubernetes service discovery)")
-        sd = KubernetesSD(self.cluster.server, ca, ADMIN_TOKEN, (self.namespace,))
-        self.prom = PrometheusServer(self.workdir / "prometheus", scrape_interval="1s", kubernetes_sd=sd)
-        self.prom.start()
+        self.prom = prepare_namespace(self.cluster, self.namespace, self.workdir / "prometheus")
         self.save(prometheusUrl=self.prom.url)
         self.log("starting the operator")
         self.operator = start_operator(self.cluster.kubeconfig, self.prom.url, self.workdir / "operator.log")
