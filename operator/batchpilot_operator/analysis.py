@@ -509,7 +509,8 @@ class LaneVerdict:
     slice, recorded, and left out of the lane's outcome and of its step pass, so a tenant that
     sends little never holds the rollout (its requests still count in the lane's total). Any
     other slice outcome counts as the total's would: a Failed slice fails the lane even when
-    the total passes, an Error or a breach not yet pinned on the canary holds the step.
+    the total passes, an Error or a breach not yet pinned on the canary holds the step. The
+    judged slices share the lane's error rate: each is held to :func:`slice_confidence`.
     """
 
     lane: str
@@ -744,6 +745,21 @@ def judge(
     )
 
 
+def slice_confidence(confidence: float, judged: int) -> float:
+    """The confidence each of ``judged`` tenant slices of a lane is held to: the lane's
+    ``1 - confidence`` split evenly among them (Bonferroni; for "does any slice fail", which is
+    all the lane's outcome asks, Holm's step-down test rejects exactly when this does).
+
+    Each slice is another chance for chance alone to fail a good canary: with 9 slices each
+    at the lane's own 0.95, simulated A/A rollouts on on/off traffic rolled back 7 of 400 with
+    slices against 2 of 400 without (``bench/canary_eval.py --tenants both``). The lane's total
+    keeps ``confidence``: the slices together add at most ``1 - confidence`` to its
+    false-failure rate per analysis, whatever their number."""
+    if judged <= 1:
+        return confidence
+    return 1.0 - (1.0 - confidence) / judged
+
+
 def _baseline(stable: MetricCheck | None, paired: Slices | None, confidence: float) -> bool:
     """Whether the stable's check is a baseline to compare the canary with.
 
@@ -908,7 +924,7 @@ def verdicts(
                 )
             )
 
-    def lane_verdict(lane: str, tenant: str | None) -> LaneVerdict | None:
+    def lane_verdict(lane: str, tenant: str | None, confidence: float) -> LaneVerdict | None:
         key = lane_key(lane, tenant)
         lane_checks = by_lane.get(key)
         if lane_checks is None:
@@ -918,7 +934,7 @@ def verdicts(
             (judge_client_errors if c.metric == "clientErrors" else judge)(
                 c,
                 next((s for s in stable if s.metric == c.metric), None),
-                spec.rollout.confidence,
+                confidence,
                 sl.get(("canary", key, c.metric)),
                 sl.get(("stable", key, c.metric)),
             )
@@ -931,12 +947,21 @@ def verdicts(
             outcome = combine(counted) if counted else Outcome.INCONCLUSIVE
         return LaneVerdict(lane=lane, outcome=outcome, canary=canary, stable=stable, tenant=tenant)
 
+    def judged_slices(lane: str) -> list[str]:
+        """The lane's tenant slices with enough canary requests to judge some objective."""
+        return [
+            t
+            for t in spec.tenant_slices
+            if (checks := by_lane.get(lane_key(lane, t))) is not None and not all(c.thin for c in checks["canary"])
+        ]
+
     result = []
     for lane in spec.lanes:
-        total = lane_verdict(lane.name, None)
+        total = lane_verdict(lane.name, None, spec.rollout.confidence)
         if total is None:
             continue
-        parts = tuple(v for t in spec.tenant_slices if (v := lane_verdict(lane.name, t)) is not None)
+        per_slice = slice_confidence(spec.rollout.confidence, len(judged_slices(lane.name)))
+        parts = tuple(v for t in spec.tenant_slices if (v := lane_verdict(lane.name, t, per_slice)) is not None)
         judged = [v.outcome for v in parts if not v.thin]
         result.append(
             dataclasses.replace(

@@ -23,6 +23,7 @@ from batchpilot_operator.analysis import (
     Outcome,
     plan_queries,
     run_analysis,
+    slice_confidence,
 )
 from batchpilot_operator.spec import PolicySpec, TenantsSpec
 from batchpilot_operator.status import Status
@@ -176,6 +177,29 @@ def test_a_slice_failure_names_the_tenant_in_the_evidence() -> None:
     # The old analysis (no tenants declared: the lane's total only) passes the same traffic.
     old = analyse(base() | b_latency(9.0), make_spec(minSamples=50))
     assert old.outcome is Outcome.SUCCESSFUL and not lane_of(old).slices
+
+
+def test_judged_slices_share_the_lanes_error_rate() -> None:
+    """5 of tenant b's 100 canary requests over the SLO, none of the stable's: worse than the
+    stable with 97.0% confidence. Alone among judged slices b is held to the lane's 95% and
+    fails; beside tenant a, also judged, each slice is held to 97.5% (the lane's 5% split in
+    two) and b's breach is not yet pinned on the canary. A thin slice takes no share."""
+    a_thin = healthy("interactive[a]", 30)
+    alone = slice_of(lane_of(analyse(base() | a_thin | b_latency(5.0))), "b")
+    assert alone.outcome is Outcome.FAILED
+    shared = slice_of(lane_of(analyse(base() | b_latency(5.0))), "b")
+    check = shared.check("p99Latency")
+    assert check is not None and check.outcome is Outcome.INCONCLUSIVE
+    assert check.note == "not clearly worse than the stable track (needs 97.5% confidence)"
+    assert check.confidence_worse is not None and 0.95 < check.confidence_worse < 0.975
+    # The lane's total is still held to the lane's own confidence.
+    total = lane_of(analyse(base() | b_latency(5.0))).check("p99Latency")
+    assert total is not None and total.outcome is Outcome.SUCCESSFUL
+
+
+@pytest.mark.parametrize(("judged", "expected"), [(0, 0.95), (1, 0.95), (2, 0.975), (9, 1 - 0.05 / 9)])
+def test_slice_confidence_splits_the_lanes_error_rate(judged: int, expected: float) -> None:
+    assert slice_confidence(0.95, judged) == pytest.approx(expected)
 
 
 def test_the_slice_is_judged_on_its_own_tally() -> None:
