@@ -95,10 +95,12 @@ from batchpilot_operator.spec import PolicySpec
 from batchpilot_operator.stats import (
     Slices,
     binomial_sf,
+    burst_variance,
     clustered_greater,
     clustered_over_budget,
     count_above,
     fisher_greater,
+    rate_variance,
 )
 from batchpilot_operator.tune.calibration import RevisionCheck
 
@@ -408,6 +410,11 @@ class MetricCheck:
     """clientErrors: the rejected requests by status code over the window."""
     buckets: tuple[tuple[float, float], ...] | None = None
     """p99Latency and queueAge: the window's cumulative histogram ``(le, count)`` (``power``)."""
+    burstiness: float | None = None
+    """How bursty the stable's bad events of this objective are over the tally's sub-windows,
+    at least as bursty as its traffic (:func:`stats.burst_variance`, :func:`stats.rate_variance`;
+    None without sub-windows): what the sub-window test discounts a burst by, and so what the
+    gate can see (``power``)."""
 
     @property
     def thin(self) -> bool:
@@ -691,9 +698,10 @@ def judge(
     """
     if canary.outcome in (Outcome.ERROR, Outcome.INCONCLUSIVE) or canary.bad is None or canary.samples is None:
         return canary
+    burstiness = _burstiness(stable_slices) if stable_slices else None
     k_c, n_c = _totals(canary_slices) if canary_slices else (canary.bad, canary.samples)
     if n_c <= 0 or k_c / n_c <= canary.budget:
-        return dataclasses.replace(canary, outcome=Outcome.SUCCESSFUL, tally=(k_c, n_c))
+        return dataclasses.replace(canary, outcome=Outcome.SUCCESSFUL, tally=(k_c, n_c), burstiness=burstiness)
     over = _least(
         1.0 - binomial_sf(k_c, n_c, canary.budget),
         clustered_over_budget(canary_slices, canary.budget) if canary_slices else None,
@@ -742,6 +750,7 @@ def judge(
         tally=(k_c, n_c),
         stable_tally=stable_tally,
         shared_breach=shared and worse is not None and worse < confidence,
+        burstiness=burstiness,
     )
 
 
@@ -758,6 +767,17 @@ def slice_confidence(confidence: float, judged: int) -> float:
     if judged <= 1:
         return confidence
     return 1.0 - (1.0 - confidence) / judged
+
+
+def _burstiness(slices: Slices) -> float | None:
+    """The stable's burstiness over the tally (``power``): that of its bad events, floored by
+    that of its traffic (:func:`stats.burst_variance`, :func:`stats.rate_variance`)."""
+    return _most(burst_variance(slices), rate_variance(slices))
+
+
+def _most(*values: float | None) -> float | None:
+    known = [v for v in values if v is not None]
+    return max(known) if known else None
 
 
 def _baseline(stable: MetricCheck | None, paired: Slices | None, confidence: float) -> bool:

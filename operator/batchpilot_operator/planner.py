@@ -1190,7 +1190,9 @@ def _detectable(lane: LaneVerdict, confidence: float, analyses: int) -> dict[str
         out["detectable_p99_regression"] = found
         said.append(f"a p99 regression of {found:.0%} or more")
     err, serr = lane.check("errorRate"), lane.check("errorRate", "stable")
-    rate = lane_detectable_error_rate(err, serr, confidence, analyses) if err is not None else None
+    # Errors a queue sheds come in the same bursts as slow requests: the larger clustering counts.
+    bursts = max((c.burstiness for c in (lat, err) if c is not None and c.burstiness is not None), default=None)
+    rate = lane_detectable_error_rate(err, serr, confidence, analyses, burstiness=bursts) if err is not None else None
     if rate is not None and err is not None:
         budget = f"budget {format_share(err.budget)}"
         if math.isinf(rate):

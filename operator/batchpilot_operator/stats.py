@@ -191,3 +191,56 @@ def clustered_greater(canary: Slices, stable: Slices) -> float | None:
         return None
     residuals = [uc - us for uc, us in zip(c[1], s[1], strict=True)]
     return _t_confidence(c[0] - s[0], residuals)
+
+
+def burst_variance(slices: Slices) -> float | None:
+    """How bursty bad events are across sub-windows: the variance of a multiplier ``L`` (mean
+    1) on each sub-window's bad-event rate, under the model that each request of sub-window
+    ``i`` goes bad with probability ``p * L_i`` (a burst raises it for every request in it).
+    Independent requests give 0; then the variance of a sub-window's count is ``n p (1 - p) +
+    (n p)^2 Var(L)``, so the sub-window test counts the requests of a tally as ``n / D``
+    independent ones, ``D = 1 + Var(L) n_sub p / (1 - p)`` (Kish's design effect, ``n_sub``
+    requests per sub-window: :func:`design_effect`). ``Var(L)`` is a property of the traffic,
+    not of its rate or the window's size, which is what lets the stable's slow requests say
+    how a canary's errors would cluster (``power``).
+    Estimated from the excess of the cluster-robust variance over the binomial one; None with
+    fewer than 2 sub-windows, no requests or no bad events (nothing to measure it by)."""
+    if len(slices) < 2:
+        return None
+    sr = _share_residuals(slices)
+    if sr is None:
+        return None
+    share, residuals = sr
+    if share <= 0.0 or share >= 1.0:
+        return None
+    total = math.fsum(n for _, n in slices)
+    m = len(residuals)
+    clustered = m / (m - 1) * math.fsum(u * u for u in residuals)
+    design = clustered / (share * (1.0 - share) / total)
+    return max(0.0, design - 1.0) * (1.0 - share) / (share * total / m)
+
+
+def rate_variance(slices: Slices) -> float | None:
+    """How bursty the traffic itself is across sub-windows: the variance of a multiplier (mean
+    1) on each sub-window's request rate beyond what Poisson arrivals give (0 for Poisson,
+    about 1 for traffic that comes and goes in sub-window-sized bursts). A floor for
+    :func:`burst_variance`: bad events rise at least in step with the load that causes them
+    (a queue sheds and delays more than in proportion to a burst), and it is measurable in a
+    window without any bad event. None with fewer than 2 sub-windows or no requests."""
+    if len(slices) < 2:
+        return None
+    counts = [n for _, n in slices]
+    mean = math.fsum(counts) / len(counts)
+    if mean <= 0.0:
+        return None
+    var = math.fsum((n - mean) ** 2 for n in counts) / (len(counts) - 1)
+    return max(0.0, (var - mean) / (mean * mean))
+
+
+def design_effect(burstiness: float, share: float, per_subwindow: float) -> float:
+    """Kish's design effect of bad events at ``share`` among ``per_subwindow`` requests per
+    sub-window, for traffic of :func:`burst_variance` ``burstiness``: how many requests count
+    as one independent one to the sub-window test."""
+    if burstiness <= 0.0 or share <= 0.0 or share >= 1.0:
+        return 1.0
+    return 1.0 + burstiness * per_subwindow * share / (1.0 - share)

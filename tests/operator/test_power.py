@@ -9,7 +9,7 @@ import random
 
 import pytest
 
-from batchpilot_operator.analysis import P99_BUDGET, TALLY_ANALYSES, MetricCheck, Outcome, judge
+from batchpilot_operator.analysis import P99_BUDGET, SLICES, TALLY_ANALYSES, MetricCheck, Outcome, judge
 from batchpilot_operator.fairness import gating_analyses
 from batchpilot_operator.power import (
     LIMIT,
@@ -21,7 +21,7 @@ from batchpilot_operator.power import (
     lane_detectable_regression,
 )
 from batchpilot_operator.spec import PolicySpec
-from batchpilot_operator.stats import count_above
+from batchpilot_operator.stats import burst_variance, count_above
 from batchpilot_runtime.metrics import LATENCY_BUCKETS
 
 SLO = 0.12
@@ -217,4 +217,61 @@ def test_more_traffic_sees_smaller_error_rates_and_none_is_seen_without_traffic(
     assert math.isinf(e(1))  # 1 request against 3: even a failed one is not clearly worse (Fisher: 25%)
     canary = error_check("canary", 0, 300, 0.01)
     assert lane_detectable_error_rate(canary, None, 0.95) is None
-    assert lane_detectable_error_rate(canary, error_check("stable", 0, 900, 0.01), 0.95, 4) == e(1200)
+    stable = error_check("stable", 0, 900, 0.01)
+    assert lane_detectable_error_rate(canary, stable, 0.95, 4, power=0.5) == e(1200)
+    # what the status states is caught in 95% of rollouts, not half: a larger rate
+    assert lane_detectable_error_rate(canary, stable, 0.95, 4) > e(1200)
+
+
+# ---- what the status states is caught in 95% of rollouts, bursts included
+def bursty_slices(
+    rng: random.Random, share: float, burstiness: float, per_sub: int, subs: int
+) -> list[tuple[float, float]]:
+    """(bad, requests) per sub-window: each request of a sub-window goes bad with probability
+    ``share * L``, ``L`` drawn per sub-window with mean 1 and variance ``burstiness`` (gamma)."""
+    out = []
+    for _ in range(subs):
+        mult = rng.gammavariate(1 / burstiness, burstiness) if burstiness > 0 else 1.0
+        p = min(1.0, share * mult)
+        out.append((float(sum(rng.random() < p for _ in range(per_sub))), float(per_sub)))
+    return out
+
+
+@pytest.mark.parametrize("burstiness", [0.0, 1.0, 4.0])
+def test_burst_variance_recovers_the_bursts_of_the_traffic(burstiness: float) -> None:
+    found = burst_variance(bursty_slices(random.Random(1), 0.01, burstiness, 300, 1500))
+    assert found is not None
+    assert found == pytest.approx(burstiness, abs=0.1, rel=0.25)
+
+
+def caught(share: float, burstiness: float, per_sub: int, draws: int = 300) -> float:
+    """The share of ``draws`` tallies (4 analyses of 5 sub-windows) of a canary erring at
+    ``share`` with this burstiness, against a clean stable of 3x its traffic, that the real
+    verdict (both tests, sub-windows included) fails."""
+    rng = random.Random(7)
+    subs = TALLY_ANALYSES * SLICES
+    failed = 0
+    for _ in range(draws):
+        cs = bursty_slices(rng, share, burstiness, per_sub, subs)
+        ss = [(0.0, 3.0 * per_sub)] * subs
+        n = sum(r for _, r in cs)
+        canary = error_check("canary", sum(k for k, _ in cs), n, 0.01)
+        failed += judge(canary, error_check("stable", 0, 3 * n, 0.01), 0.95, cs, ss).outcome is Outcome.FAILED
+    return failed / draws
+
+
+@pytest.mark.parametrize(("burstiness", "per_sub"), [(0.0, 100), (2.0, 100), (2.0, 30)])
+def test_the_stated_error_rate_is_caught_in_95_percent_of_rollouts(burstiness: float, per_sub: int) -> None:
+    subs = TALLY_ANALYSES * SLICES
+    canary = error_check("canary", 0, per_sub * subs / TALLY_ANALYSES, 0.01)
+    stable = error_check("stable", 0, 3 * per_sub * subs / TALLY_ANALYSES, 0.01)
+    said = lane_detectable_error_rate(canary, stable, 0.95, TALLY_ANALYSES, burstiness=burstiness)
+    assert said is not None and said < 1
+    assert caught(said, burstiness, per_sub) >= 0.9
+    # the expected counts' threshold (the statement before) is caught about half the time, and
+    # a statement blind to the bursts far less than it promises
+    at_expected = lane_detectable_error_rate(canary, stable, 0.95, TALLY_ANALYSES, power=0.5, burstiness=burstiness)
+    assert at_expected is not None and caught(at_expected, burstiness, per_sub) <= 0.6
+    if burstiness > 0:
+        blind = lane_detectable_error_rate(canary, stable, 0.95, TALLY_ANALYSES, burstiness=0.0)
+        assert blind is not None and blind < said and caught(blind, burstiness, per_sub) <= 0.6

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import random
 
 import pytest
 
@@ -12,6 +13,7 @@ from batchpilot_operator.stats import (
     clustered_over_budget,
     count_above,
     fisher_greater,
+    rate_variance,
     student_t_cdf,
 )
 
@@ -97,3 +99,29 @@ def test_count_above_interpolates_like_histogram_quantile() -> None:
     assert count_above([], 0.2) == 0.0
     with pytest.raises(ValueError):
         count_above([(0.1, 1.0)], 0.2)
+
+
+def poisson(rng: random.Random, mean: float) -> int:
+    """A Poisson draw (Knuth's product method in chunks; small means only matter here)."""
+    count, left = 0, mean
+    while left > 0:
+        step = min(left, 30.0)
+        left -= step
+        limit, prod = math.exp(-step), rng.random()
+        while prod > limit:
+            count += 1
+            prod *= rng.random()
+    return count
+
+
+def test_rate_variance_tells_bursty_traffic_from_poisson() -> None:
+    rng = random.Random(3)
+    steady = [(0.0, float(poisson(rng, 200.0))) for _ in range(400)]
+    found = rate_variance(steady)
+    assert found is not None and found < 0.02
+    # on/off: every other sub-window at 4x the rate, the rest at a quarter (mean 2.125x / 2)
+    onoff = [(0.0, float(poisson(rng, 400.0 if i % 2 else 25.0))) for i in range(400)]
+    found = rate_variance(onoff)
+    mean = (400 + 25) / 2
+    assert found is not None and found == pytest.approx(((400 - mean) ** 2) / mean**2, rel=0.1)
+    assert rate_variance([(0.0, 10.0)]) is None and rate_variance([(0.0, 0.0), (0.0, 0.0)]) is None
