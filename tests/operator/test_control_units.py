@@ -10,7 +10,7 @@ from typing import Any
 
 import pytest
 
-from batchpilot_operator.control.cache import ObjectCache
+from batchpilot_operator.control.cache import Backoff, ObjectCache
 from batchpilot_operator.control.leader import LeaseTiming
 from batchpilot_operator.control.workqueue import WorkQueue
 from batchpilot_operator.controller import new_ready_replicas
@@ -235,6 +235,22 @@ def test_relist_keeps_writes_newer_than_the_list_and_drops_the_rest() -> None:
     assert cache.get("ns", "gone") is None
     assert cache.get("ns", "fresh") is not None
     assert changed == {("ns", "a"), ("ns", "c")}
+
+
+def test_watch_backoff_doubles_and_starts_over_after_a_healthy_spell() -> None:
+    now = [0.0]
+    backoff = Backoff(first=0.5, cap=30.0, reset_after=120.0, clock=lambda: now[0])
+    delays = []
+    for _ in range(8):  # errors in a row: each retry fails as soon as it starts
+        delays.append(backoff.failed())
+        now[0] += delays[-1]
+    assert delays == [0.5, 1.0, 2.0, 4.0, 8.0, 16.0, 30.0, 30.0]
+    now[0] += 60.0  # a watch healthy for a minute, then an error: still backing off
+    assert backoff.failed() == 30.0
+    now[0] += 30.0 + 120.0  # healthy for two minutes after that retry: the next error starts over
+    assert [backoff.failed(), backoff.failed()] == [0.5, 1.0]
+    backoff.reset()  # a successful LIST starts over too
+    assert backoff.failed() == 0.5
 
 
 def test_label_change_moves_the_object_between_policies() -> None:

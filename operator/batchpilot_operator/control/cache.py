@@ -172,6 +172,37 @@ class ObjectCache:
         return True
 
 
+class Backoff:
+    """Retry delays that double from ``first`` up to ``cap``, and start over once the work has
+    run ``reset_after`` seconds without failing (client-go's reflector: 800 ms to 30 s, reset
+    after 2 minutes). Without the reset, a watch that failed a few times early keeps waiting
+    the cap after every later error, however long it was healthy in between."""
+
+    def __init__(
+        self,
+        first: float = 0.5,
+        cap: float = 30.0,
+        reset_after: float = 120.0,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self.first, self.cap, self.reset_after, self.clock = first, cap, reset_after, clock
+        self._next = first
+        self._healthy_since: float | None = None
+
+    def failed(self) -> float:
+        """The delay before the next try, after a failure now."""
+        now = self.clock()
+        if self._healthy_since is not None and now - self._healthy_since >= self.reset_after:
+            self._next = self.first
+        delay = self._next
+        self._next = min(self._next * 2, self.cap)
+        self._healthy_since = now + delay  # the next try starts then
+        return delay
+
+    def reset(self) -> None:
+        self._next = self.first
+
+
 class _Gone(Exception):
     """The watch's resourceVersion is too old (410): list again."""
 
@@ -215,14 +246,14 @@ class Informer:
         self._stop.set()
 
     def _run(self) -> None:
-        delay = 0.5
+        backoff = Backoff()
         version: int | None = None
         while not self._stop.is_set():
             try:
                 if version is None:
                     version = self._list()
                     self.synced.set()
-                    delay = 0.5
+                    backoff.reset()
                 version = self._watch(version)
             except _Gone:
                 log.info("%s: watch expired, listing again", self.name)
@@ -230,9 +261,9 @@ class Informer:
             except Exception as exc:  # the informer must outlive API trouble
                 if self._stop.is_set():
                     return
+                delay = backoff.failed()
                 log.warning("%s: %s; retrying in %.1fs", self.name, exc, delay)
                 self._stop.wait(delay)
-                delay = min(delay * 2, 30.0)
                 version = None if not self.synced.is_set() else version
 
     def _list(self) -> int | None:
