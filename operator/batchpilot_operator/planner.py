@@ -1196,7 +1196,7 @@ def _detectable(lane: LaneVerdict, confidence: float, analyses: int) -> dict[str
     if rate is not None and err is not None:
         budget = f"budget {format_share(err.budget)}"
         if math.isinf(rate):
-            said.append(f"no error rate at all ({budget}: the traffic is too thin)")
+            said.append(f"no error rate at all ({budget}: the traffic is too thin or too bursty)")
         else:
             out["detectable_error_rate"] = rate
             said.append(f"an error rate of {format_share(rate)} or more ({budget})")

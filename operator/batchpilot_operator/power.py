@@ -21,15 +21,15 @@ counts the regression would produce:
   95% of rollouts like this one, not half of them (at the expected counts, the earlier
   statement, a 2% shedding queue the status called visible was caught in 11-31% of simulated
   rollouts on the code trace).
-* Bad events that come in bursts are worth less than independent ones: the verdict's
-  sub-window test counts a burst once. The counts are therefore those of ``n / D``
-  independent requests, ``D`` the design effect (:func:`stats.design_effect`) that the
-  burstiness of the stable's own bad events across the tally's sub-windows
-  (:func:`stats.burst_variance`: 0 for slow requests spread evenly, large when they all fall
-  in a few bursts) gives at the canary's share and sub-window size; the error statement takes
-  the larger burstiness of the p99's and the errors' (a queue sheds in the bursts that make
-  requests slow). Without bad events on the stable there is nothing to measure bursts by, and
-  ``D`` is 1.
+* Errors that come in bursts are worth less than independent ones: the verdict's sub-window
+  test counts a burst once, and a queue that sheds does so in the traffic's bursts. The error
+  statement's counts are therefore those of ``n / D`` independent requests, ``D`` the design
+  effect (:func:`stats.design_effect`) that the burstiness of the stable's slow requests and
+  errors across the tally's sub-windows, floored by that of its request rate
+  (:func:`stats.burst_variance`, :func:`stats.rate_variance`: 0 for Poisson traffic, large
+  for the code trace's bursts), gives at the canary's share and sub-window size. The p99
+  statement is not discounted so: the uniform slowdown it states slows every request, in
+  every sub-window alike.
 * X is the smallest such ``f - 1``, found by bisection (the rule is monotone in ``f``), to 1%.
 
 A stable far under its SLO needs a large X before a slowdown breaches at all: the gate judges
@@ -151,7 +151,8 @@ def detectable_error_rate(
 ) -> float:
     """The smallest share of the canary's requests answered with an error (shed, timed out,
     failed) that the rule fails (:func:`fails`), against a stable erring at ``stable_share``,
-    rounded up to :data:`RATE_PRECISION`; ``math.inf`` when not even every request failing is."""
+    rounded up to :data:`RATE_PRECISION`; ``math.inf`` when nothing short of every request
+    failing is."""
 
     def ok(p: float) -> bool:
         return fails(
@@ -175,7 +176,8 @@ def detectable_error_rate(
             hi = mid
         else:
             lo = mid
-    return min(1.0, round(math.ceil(round(hi / RATE_PRECISION, 6)) * RATE_PRECISION, 4))
+    found = round(math.ceil(round(hi / RATE_PRECISION, 6)) * RATE_PRECISION, 4)
+    return math.inf if found >= 1.0 else found  # only every request failing: none in reach
 
 
 def detectable_regression(
@@ -233,9 +235,11 @@ def lane_detectable_regression(
     """:func:`detectable_regression` of a lane's p99 objective from this window's checks, over
     a tally of ``analyses`` windows at this window's traffic (a full tally by default; the
     planner passes what the rollout's last like-for-like steps can gather,
-    ``fairness.gating_analyses``), caught with ``power`` at the ``burstiness`` of the
-    stable's slow requests (the canary check's, :attr:`MetricCheck.burstiness`, unless
-    given); None when the window cannot tell (no stable histogram, no requests on either
+    ``fairness.gating_analyses``), caught with ``power``. Not discounted for bursts unless
+    ``burstiness`` is given: the regression it states slows every request alike, so its slow
+    requests fall in every sub-window, not in the traffic's bursts (with the demo's bursty
+    trace, discounting them made the status call a 10x regression invisible while the demo's
+    bad change, a smaller one, was rolled back every time); None when the window cannot tell (no stable histogram, no requests on either
     track)."""
     if stable is None or not stable.buckets or not canary.samples or not stable.samples:
         return None
@@ -247,7 +251,7 @@ def lane_detectable_regression(
         confidence=confidence,
         budget=stable.budget,
         power=power,
-        burstiness=burstiness if burstiness is not None else canary.burstiness or 0.0,
+        burstiness=burstiness or 0.0,
         subwindows=analyses * SLICES,
     )
 
