@@ -239,8 +239,8 @@ def lane_detectable_regression(
     ``burstiness`` is given: the regression it states slows every request alike, so its slow
     requests fall in every sub-window, not in the traffic's bursts (with the demo's bursty
     trace, discounting them made the status call a 10x regression invisible while the demo's
-    bad change, a smaller one, was rolled back every time); None when the window cannot tell (no stable histogram, no requests on either
-    track)."""
+    bad change, a smaller one, was rolled back every time); None when the window cannot tell
+    (no stable histogram, no requests on either track)."""
     if stable is None or not stable.buckets or not canary.samples or not stable.samples:
         return None
     return detectable_regression(

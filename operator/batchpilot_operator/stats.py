@@ -151,6 +151,11 @@ def _share_residuals(slices: Slices) -> tuple[float, list[float]] | None:
     return share, [(k - share * n) / total for k, n in slices]
 
 
+def _clustered(slices: Slices) -> tuple[float, list[float]] | None:
+    """:func:`_share_residuals` of at least 2 sub-windows (a spread needs two)."""
+    return _share_residuals(slices) if len(slices) >= 2 else None
+
+
 def _t_confidence(effect: float, residuals: Sequence[float]) -> float:
     m = len(residuals)
     var = m / (m - 1) * math.fsum(u * u for u in residuals)
@@ -168,9 +173,7 @@ def clustered_over_budget(slices: Slices, budget: float) -> float | None:
     (a cluster-robust, ratio-estimator variance) and judged with Student's t on
     ``len(slices) - 1`` degrees of freedom. None with fewer than 2 sub-windows or no requests.
     """
-    if len(slices) < 2:
-        return None
-    sr = _share_residuals(slices)
+    sr = _clustered(slices)
     if sr is None:
         return None
     share, residuals = sr
@@ -205,14 +208,10 @@ def burst_variance(slices: Slices) -> float | None:
     how a canary's errors would cluster (``power``).
     Estimated from the excess of the cluster-robust variance over the binomial one; None with
     fewer than 2 sub-windows, no requests or no bad events (nothing to measure it by)."""
-    if len(slices) < 2:
-        return None
-    sr = _share_residuals(slices)
-    if sr is None:
+    sr = _clustered(slices)
+    if sr is None or not 0.0 < sr[0] < 1.0:
         return None
     share, residuals = sr
-    if share <= 0.0 or share >= 1.0:
-        return None
     total = math.fsum(n for _, n in slices)
     m = len(residuals)
     clustered = m / (m - 1) * math.fsum(u * u for u in residuals)
