@@ -772,12 +772,7 @@ def slice_confidence(confidence: float, judged: int) -> float:
 def _burstiness(slices: Slices) -> float | None:
     """The stable's burstiness over the tally (``power``): that of its bad events, floored by
     that of its traffic (:func:`stats.burst_variance`, :func:`stats.rate_variance`)."""
-    return _most(burst_variance(slices), rate_variance(slices))
-
-
-def _most(*values: float | None) -> float | None:
-    known = [v for v in values if v is not None]
-    return max(known) if known else None
+    return max((v for v in (burst_variance(slices), rate_variance(slices)) if v is not None), default=None)
 
 
 def _baseline(stable: MetricCheck | None, paired: Slices | None, confidence: float) -> bool:
