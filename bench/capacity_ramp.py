@@ -53,16 +53,20 @@ def log(msg: str) -> None:
 def predicted_capacity(
     trace: Trace, profile: LatencyProfile, settings: LaneSettings, slo: float, margin: float = 0.0
 ) -> float:
-    """The tuner's capacity for exactly this setting under the SLO less ``margin``."""
-    got = search(
-        trace,
-        profile,
-        SLOTargets(p99_latency=slo, queue_age=slo, margin=margin),
-        batch_sizes=[settings.max_batch_size],
-        windows=[settings.max_queue_delay],
-        max_queue_length=settings.max_queue_length,
-        request_timeout=settings.request_timeout,
-    )
+    """The tuner's capacity for exactly this setting under the SLO less ``margin`` (0: it meets
+    the SLO at no rate, which the search reports by raising)."""
+    try:
+        got = search(
+            trace,
+            profile,
+            SLOTargets(p99_latency=slo, queue_age=slo, margin=margin),
+            batch_sizes=[settings.max_batch_size],
+            windows=[settings.max_queue_delay],
+            max_queue_length=settings.max_queue_length,
+            request_timeout=settings.request_timeout,
+        )
+    except ValueError:
+        return 0.0
     return float(got.capacity)
 
 
