@@ -11,7 +11,13 @@ measured capacity), a fresh runtime serves the trace slice open-loop ``--repeats
 * **server**: the runtime's own record of the same requests (``/admin/arrivals`` outcomes: the
   latency from the handler's start to the answer) and the model's p99 for *the arrivals the
   server saw*, through :func:`batchpilot_operator.tune.live.calibrate` — what the
-  operator's calibration does live. It removes the load generator from the comparison.
+  operator's calibration does live. It removes the load generator from the comparison. Beside
+  the offline profiles and the run's own ``/admin/profile`` (``live``, in sample), two out of
+  sample: ``live_previous`` (the profile of the previous run at the same setting) and
+  ``live_current``, the live path of ``recommend``: the profile the pods running ``--current``
+  measured serving the same trace at the same load (for the current setting's own rows, its
+  previous run's), which predicts every candidate setting, the larger ones from the timed
+  passes the runtime makes at start past its lanes' maxima.
 
 Per row (trace, setting, load): the prediction (the tuner's simulator on the scheduled
 arrivals, with the profile measured in-process, the per-request overhead measured at load
@@ -243,6 +249,11 @@ def main() -> int:
     ap.add_argument("--calib-rate", type=float, default=20.0)
     ap.add_argument("--pin", choices=["auto", "on", "off"], default="auto")
     ap.add_argument(
+        "--current",
+        default="8:2ms",
+        help="the live path's running setting: its pods' profile predicts every setting's rows (live_current)",
+    )
+    ap.add_argument(
         "--no-front-end",
         action="store_true",
         help="client-side predictions without the HTTP front end (the model before frontEndCost)",
@@ -271,6 +282,10 @@ def main() -> int:
     for spec in args.settings.split(","):
         b, w = spec.split(":")
         settings_list.append(LaneSettings(int(b), parse_duration(w), 100_000, 30.0))
+    cb, cw = args.current.split(":")
+    current = LaneSettings(int(cb), parse_duration(cw), 100_000, 30.0)
+    if current not in settings_list:
+        raise SystemExit(f"--current {args.current} is not in --settings")
     loads = [float(x) for x in args.loads.split(",")]
     all_traces = traces(args.requests, args.code_start)
     rows: list[dict[str, Any]] = []
@@ -320,7 +335,11 @@ def main() -> int:
         previous_live: dict[LaneSettings, LatencyProfile] = {}
         for trace_name in args.traces.split(","):
             trace = all_traces[trace_name]
-            for settings in settings_list:
+            # The live path (recommend): the pods running the current setting at this trace and
+            # load measure their profile, and the model predicts every candidate setting with it.
+            # The current setting runs first so that its profile exists for the others' rows.
+            current_live: dict[float, LatencyProfile] = {}
+            for settings in [current, *[s for s in settings_list if s != current]]:
                 table = profile.exec_table(settings.max_batch_size)
                 measured_capacity = capacity[settings]["measured_rps"]
                 front_end_cost = 0.0 if args.no_front_end else capacity[settings]["front_end_cost_ms"] / 1e3
@@ -348,8 +367,14 @@ def main() -> int:
                         given = dict(profiles)
                         if settings in previous_live:
                             given["live_previous"] = previous_live[settings]
+                        # The current setting's own rows: the profile its pods measured before.
+                        live_current = current_live.get(load) if settings != current else previous_live.get(current)
+                        if live_current is not None:
+                            given["live_current"] = live_current
                         run, live_doc = run_once(tmp, args, settings, offsets, given)
                         previous_live[settings] = LatencyProfile.model_validate(live_doc)
+                        if settings == current:
+                            current_live[load] = previous_live[settings]
                         runs.append(run)
                     p99s = [r["client_p99_ms"] for r in runs if r["client_p99_ms"]]
                     med = statistics.median(p99s) if p99s else None
