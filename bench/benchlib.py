@@ -32,7 +32,7 @@ from typing import Any
 
 import numpy as np
 
-from batchpilot_operator.localdev import free_port
+from batchpilot_localdev import free_port
 
 BENCH = Path(__file__).resolve().parent
 REPO = BENCH.parent

@@ -47,9 +47,9 @@ import numpy as np
 from kubernetes import client, config
 from kubernetes.watch.watch import iter_resp_lines
 
-from batchpilot_operator.localdev import free_port
-from batchpilot_operator.localdev.cluster import LocalCluster
-from batchpilot_operator.localdev.prometheus import start_prometheus
+from batchpilot_localdev import free_port
+from batchpilot_localdev.cluster import LocalCluster
+from batchpilot_localdev.prometheus import start_prometheus
 
 REPO = Path(__file__).resolve().parents[1]
 CRD = REPO / "crds" / "batchingpolicy.yaml"

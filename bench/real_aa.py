@@ -2,7 +2,7 @@
 
 ``bench/canary_eval.py`` estimates the verdict's false-rollback rate from simulated rollouts.
 This checks the simulator against reality: the local control plane, a real Prometheus
-scraping every second, the operator, one runtime process per pod (``localdev/harness.py``),
+scraping every second, the operator, one runtime process per pod (``batchpilot_localdev/harness.py``),
 and the code trace replayed open loop at ``--rate`` (``canary_eval.make_trace``, cycled) over
 the policy's ready pods (the replica ratio: each request to a uniformly chosen ready pod, as a
 Service routes). The policy is the simulator's (``canary_eval.policy``: 4 replicas, batch 8, window 2 ms, steps 25% and 50% of
@@ -34,11 +34,11 @@ from typing import Any
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "bench"))
 
-from batchpilot_operator.localdev.cluster import LocalCluster  # noqa: E402
-from batchpilot_operator.localdev.demo import start_operator  # noqa: E402
-from batchpilot_operator.localdev.harness import RuntimeHarness  # noqa: E402
-from batchpilot_operator.localdev.load import TraceReplay  # noqa: E402
-from batchpilot_operator.localdev.prometheus import PrometheusServer  # noqa: E402
+from batchpilot_localdev.cluster import LocalCluster  # noqa: E402
+from batchpilot_localdev.demo import start_operator  # noqa: E402
+from batchpilot_localdev.harness import RuntimeHarness  # noqa: E402
+from batchpilot_localdev.load import TraceReplay  # noqa: E402
+from batchpilot_localdev.prometheus import PrometheusServer  # noqa: E402
 from batchpilot_operator.spec import parse_spec  # noqa: E402
 from canary_eval import make_trace  # noqa: E402
 

@@ -64,7 +64,7 @@ fi
 # --- the local control plane ----------------------------------------------------------
 say "control plane binaries and the kubelet (go build through the module proxy; first time ~7 min on 2 cores)"
 bash hack/k8s/build.sh
-say "the real node's parts: containerd, runc, CNI plugins, pause (tests/node; localdev/realnode.py)"
+say "the real node's parts: containerd, runc, CNI plugins, pause (tests/node; batchpilot_localdev/realnode.py)"
 bash hack/node/build.sh
 say "upstream Prometheus with Kubernetes service discovery, for the real node (go build; first time ~4 min)"
 bash hack/prometheus/build.sh

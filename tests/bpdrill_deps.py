@@ -16,10 +16,10 @@ from typing import Any
 
 import yaml
 
-from batchpilot_operator.localdev.harness import RuntimeHarness
-from batchpilot_operator.localdev.load import TraceReplay
-from batchpilot_operator.localdev.prometheus import PrometheusServer, start_prometheus
-from batchpilot_operator.localdev.toxiproxy import Toxiproxy
+from batchpilot_localdev.harness import RuntimeHarness
+from batchpilot_localdev.load import TraceReplay
+from batchpilot_localdev.prometheus import PrometheusServer, start_prometheus
+from batchpilot_localdev.toxiproxy import Toxiproxy
 from batchpilot_operator.tune.trace import load_trace
 from bptest import REPO, TINY_CANARY_POLICY, Kube, OperatorProcess, start_operator
 

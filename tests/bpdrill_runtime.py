@@ -18,7 +18,7 @@ from typing import Any
 
 import aiohttp
 
-from batchpilot_operator.localdev import free_port
+from batchpilot_localdev import free_port
 from bptest import REPO
 
 # The builtin transformer (64 token ids a row, ~0.5 GFLOP): a capacity of tens of requests/s

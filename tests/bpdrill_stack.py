@@ -29,11 +29,11 @@ from typing import Any
 
 from kubernetes import client, config
 
+from batchpilot_localdev.cluster import LocalCluster
+from batchpilot_localdev.harness import RuntimeHarness
+from batchpilot_localdev.load import TraceReplay
+from batchpilot_localdev.prometheus import PrometheusServer, start_prometheus
 from batchpilot_operator.children import LABEL_POLICY, LABEL_REVISION
-from batchpilot_operator.localdev.cluster import LocalCluster
-from batchpilot_operator.localdev.harness import RuntimeHarness
-from batchpilot_operator.localdev.load import TraceReplay
-from batchpilot_operator.localdev.prometheus import PrometheusServer, start_prometheus
 from batchpilot_operator.tune.trace import load_trace
 from bptest import CRD, REPO, TINY_CANARY_POLICY, Kube, LedgerSeen, OperatorProcess, start_operator
 

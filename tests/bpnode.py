@@ -8,8 +8,8 @@ import json
 import urllib.request
 from typing import Any
 
+from batchpilot_localdev.realnode import POD_SUBNET, RUNTIME_IMAGE
 from batchpilot_operator.children import LABEL_POLICY, LABEL_TRACK, RUNTIME_PORT
-from batchpilot_operator.localdev.realnode import POD_SUBNET, RUNTIME_IMAGE
 from bptest import TINY_CANARY_POLICY, Kube
 
 ROW = [0.5] * 512

@@ -13,7 +13,7 @@ from typing import Any
 
 import yaml
 
-from batchpilot_operator.localdev import free_port
+from batchpilot_localdev import free_port
 from batchpilot_operator.spec import PolicySpec
 
 REPO = Path(__file__).resolve().parents[1]
@@ -44,8 +44,8 @@ class Kube:
         return result
 
     def wait_established(self, *crds: str, timeout: float = 60.0) -> None:
-        """Every named CRD Established (not ``kubectl wait``: see localdev.cluster.wait_established)."""
-        from batchpilot_operator.localdev.cluster import wait_established
+        """Every named CRD Established (not ``kubectl wait``: see batchpilot_localdev.cluster.wait_established)."""
+        from batchpilot_localdev.cluster import wait_established
 
         wait_established([self.kubectl_bin, f"--kubeconfig={self.kubeconfig}"], list(crds), timeout)
 

@@ -27,7 +27,7 @@ def kube(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Kube]:
         kube.wait_established("batchingpolicies.batchpilot.dev")
         yield kube
         return
-    from batchpilot_operator.localdev.cluster import LocalCluster
+    from batchpilot_localdev.cluster import LocalCluster
 
     workdir = tmp_path_factory.mktemp("cluster")
     cluster = LocalCluster.start(workdir, gpu_nodes=2, audit=True)

@@ -4,7 +4,7 @@
 # package too (one distribution), but the runtime never imports it (import-linter), so operator
 # changes leave the runtime's hash alone; README.md is copied only for the package metadata.
 # hack/images.sh labels each image with its hash (dev.batchpilot.source) and skips an image whose
-# label matches; the real node (localdev/realnode.py) rebuilds before it runs a stale image.
+# label matches; the real node (batchpilot_localdev/realnode.py) rebuilds before it runs a stale image.
 set -euo pipefail
 cd "$(dirname "$0")/../.."
 case "${1:?operator or runtime}" in

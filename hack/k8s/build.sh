@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Builds the local control plane once into a git-ignored cache:
 #   etcd, kube-apiserver, kube-controller-manager, kube-scheduler, kubectl, the kubelet of the
-#   local real node (localdev/realnode.py) (k8s.io/kubernetes, pinned in go.mod) and kwok
+#   local real node (batchpilot_localdev/realnode.py) (k8s.io/kubernetes, pinned in go.mod) and kwok
 #   (sigs.k8s.io/kwok, pinned below, built in its own module graph).
 # Rebuilds only when the pins change (the stamp is a hash of go.mod, go.sum and this file).
 set -euo pipefail

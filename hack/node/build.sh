@@ -6,7 +6,7 @@
 #   the CNI plugins bridge, host-local and loopback (github.com/containernetworking/plugins,
 #   pinned below; go install through the module proxy) in .cache/node-bin/cni;
 #   the sandbox (pause) binary from hack/node/pause (static Go) in .cache/node-bin/pause.
-# localdev/realnode.py makes the pause image from it and imports it into containerd: there is
+# batchpilot_localdev/realnode.py makes the pause image from it and imports it into containerd: there is
 # no registry to pull registry.k8s.io/pause from. Rebuilds only when this file or the pause
 # source changes (stamp).
 set -euo pipefail

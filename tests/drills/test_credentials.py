@@ -6,7 +6,7 @@ apiserver's TokenRequest API (``kubectl create token``), bound to a Secret so th
 Secret revokes the token at once (the apiserver's 10-minute minimum lifetime rules out waiting
 for a real expiry in a drill; to the operator a revoked and an expired token look the same: 401).
 
-Prometheus sits behind a bearer-token check (``localdev.authproxy``, what kube-rbac-proxy does in
+Prometheus sits behind a bearer-token check (``batchpilot_localdev.authproxy``, what kube-rbac-proxy does in
 a cluster); the operator sends ``--prometheus-bearer-token-file``.
 
 Expected: a rotated file is used without a restart (same process, no 401); a revoked token is a
@@ -27,8 +27,8 @@ from typing import Any
 import pytest
 import yaml
 
-from batchpilot_operator.localdev.authproxy import BearerAuthProxy
-from batchpilot_operator.localdev.prometheus import PrometheusServer
+from batchpilot_localdev.authproxy import BearerAuthProxy
+from batchpilot_localdev.prometheus import PrometheusServer
 from bpdrill import Drill
 from bpdrill_deps import Stage, condition, policy, stage, stalled
 from bptest import Kube

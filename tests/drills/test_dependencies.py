@@ -20,7 +20,7 @@ from pathlib import Path
 
 import pytest
 
-from batchpilot_operator.localdev.toxiproxy import Toxiproxy
+from batchpilot_localdev.toxiproxy import Toxiproxy
 from bpdrill import Drill
 from bpdrill_deps import Stage, apiserver_address, condition, policy, proxied_kubeconfig, stage, stalled
 from bptest import Kube

@@ -22,7 +22,7 @@ from pathlib import Path
 
 import pytest
 
-from batchpilot_operator.localdev import free_port
+from batchpilot_localdev import free_port
 from bptest import REPO, Kube
 
 pytestmark = [pytest.mark.slow, pytest.mark.images]
@@ -146,6 +146,28 @@ def test_runtime_images_torch_multiplies_on_an_optimized_blas(images: None) -> N
     if mkl == "True":
         return
     assert blas and all("openblas" in path for path in blas), blas
+
+
+# Every file of the installed distribution whose path names the development stack, and the
+# commands the image's CLI offers (its --help lists them as {run,validate,...}).
+STACK_PROBE = """
+import importlib.metadata, importlib.util, subprocess
+files = importlib.metadata.distribution("batchpilot").files or []
+print([str(f) for f in files if "localdev" in str(f)], importlib.util.find_spec("batchpilot_localdev") is None)
+print(subprocess.run(["batchpilot", "--help"], capture_output=True, text=True).stdout.partition("{")[2].partition("}")[0])
+"""
+
+
+@pytest.mark.parametrize("image", [OPERATOR, RUNTIME])
+def test_images_carry_no_development_stack(images: None, image: str) -> None:
+    # The development stack (localdev/: the local control plane, the demo) is its own package that
+    # only a checkout installs: no image file of it, and the CLI in the image offers no demo or up.
+    found, commands = podman(
+        "run", "--rm", "--network", "none", "--entrypoint", "python3", image, "-c", STACK_PROBE
+    ).stdout.splitlines()
+    assert found == "[] True", found
+    if image == OPERATOR:  # the runtime image carries the operator's package without its dependencies
+        assert commands.split(",") == ["run", "validate", "profile", "tune"], commands
 
 
 @pytest.mark.cluster

@@ -1,7 +1,7 @@
 """The real node: the tests of this folder run their pods on a kubelet with containerd.
 
 ``kube`` is overridden here: a control plane of its own with no kwok node at all, and beside it
-the real node of ``localdev/realnode.py`` (its only node, ``bp-node-0``, with 4
+the real node of ``batchpilot_localdev/realnode.py`` (its only node, ``bp-node-0``, with 4
 ``nvidia.com/gpu``), so that every pod of these tests is run by a real kubelet from the image
 ``make images`` built. One per test module (~12 s with the images cached), so that a module can
 also start a node of its own (``batchpilot up --real-node``): a machine holds one at a time. Needs root (network namespaces, a bridge, cgroups): a machine where it
@@ -17,8 +17,8 @@ from collections.abc import Iterator
 
 import pytest
 
-from batchpilot_operator.localdev.cluster import LocalCluster
-from batchpilot_operator.localdev.realnode import RealNode
+from batchpilot_localdev.cluster import LocalCluster
+from batchpilot_localdev.realnode import RealNode
 from bptest import CRD, Kube
 
 SERVICE_CIDR = "198.19.0.0/16"

@@ -1,5 +1,5 @@
 """The canary, end to end on the real node: a real Prometheus finds the runtime pods through
-Kubernetes service discovery (the PodMonitor's relabelings, ``localdev/prometheus.py``) and
+Kubernetes service discovery (the PodMonitor's relabelings, ``batchpilot_localdev/prometheus.py``) and
 scrapes them at their pod IPs, while the real arrival trace is replayed against the ready pods
 (what the Service would route to). A sensible window change is promoted through its step; a
 window that breaks the SLO is rolled back on the metrics the canary's containers exported."""
@@ -14,10 +14,10 @@ from typing import Any
 
 import pytest
 
-from batchpilot_operator.localdev.cluster import ADMIN_TOKEN, LocalCluster
-from batchpilot_operator.localdev.load import TraceReplay
-from batchpilot_operator.localdev.prometheus import KubernetesSD, PrometheusServer, start_prometheus
-from batchpilot_operator.localdev.realnode import PodEndpoints, RealNode
+from batchpilot_localdev.cluster import ADMIN_TOKEN, LocalCluster
+from batchpilot_localdev.load import TraceReplay
+from batchpilot_localdev.prometheus import KubernetesSD, PrometheusServer, start_prometheus
+from batchpilot_localdev.realnode import PodEndpoints, RealNode
 from batchpilot_operator.tune.trace import load_trace
 from bpnode import pod_ip, pods, ready_pods, real_policy
 from bptest import REPO, Kube, LedgerSeen, OperatorProcess, PolicyScenario, start_operator

@@ -15,8 +15,8 @@ from pathlib import Path
 
 import pytest
 
+from batchpilot_localdev.realnode import RealNode
 from batchpilot_operator.children import ENDPOINT_REMOVAL_SECONDS, RUNTIME_PORT
-from batchpilot_operator.localdev.realnode import RealNode
 from bpnode import events, infer, pod_ip, ready_pods, real_policy
 from bptest import NO_PROMETHEUS, Kube, start_operator
 

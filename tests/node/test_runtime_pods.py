@@ -18,9 +18,9 @@ from typing import Any
 import pytest
 from kubernetes import client, config, watch
 
+from batchpilot_localdev.load import TraceReplay
+from batchpilot_localdev.realnode import NODE_NAME, RUNTIME_IMAGE, PodEndpoints, RealNode
 from batchpilot_operator.children import RUNTIME_PORT
-from batchpilot_operator.localdev.load import TraceReplay
-from batchpilot_operator.localdev.realnode import NODE_NAME, RUNTIME_IMAGE, PodEndpoints, RealNode
 from bpnode import infer, is_ready, pod_ip, pods, ready_pods, real_policy
 from bptest import NO_PROMETHEUS, Kube, policy_status, start_operator
 

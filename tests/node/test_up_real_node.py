@@ -15,7 +15,7 @@ from typing import Any
 import pytest
 import yaml
 
-from batchpilot_operator.localdev.realnode import BRIDGE
+from batchpilot_localdev.realnode import BRIDGE
 from bpnode import real_policy
 
 pytestmark = [pytest.mark.cluster, pytest.mark.realnode, pytest.mark.prometheus, pytest.mark.slow]

@@ -5,7 +5,7 @@ Prometheus: ``prometheus_factory`` (function scope; call it with a list of
 ``start_prometheus``; everything it started is stopped at teardown) and ``prometheus`` (one
 server with no targets yet: add them with ``set_targets``). Tests using them are marked
 ``@pytest.mark.prometheus``; they fail when the binary is missing (hack/setup.sh installs it).
-The implementation lives in ``batchpilot_operator.localdev.prometheus`` (the demo uses it too).
+The implementation lives in ``batchpilot_localdev.prometheus`` (the demo uses it too).
 
 ``operator_without_prometheus``: the operator process watching the test's namespace, with a
 Prometheus URL nothing listens on, so a canary's analysis reports Error and, under ``Hold``,
@@ -21,7 +21,7 @@ from typing import Any
 
 import pytest
 
-from batchpilot_operator.localdev.prometheus import PROMETHEUS_BIN, PrometheusServer, ScrapeTarget, start_prometheus
+from batchpilot_localdev.prometheus import PROMETHEUS_BIN, PrometheusServer, ScrapeTarget, start_prometheus
 from bptest import NO_PROMETHEUS, Kube, OperatorProcess, start_operator
 
 

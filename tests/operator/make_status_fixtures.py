@@ -135,7 +135,7 @@ def main() -> int:
         if external:
             kube = Kube(Path(external), os.environ.get("KUBECTL", "kubectl"), external=True)
         else:
-            from batchpilot_operator.localdev.cluster import LocalCluster
+            from batchpilot_localdev.cluster import LocalCluster
 
             cluster = LocalCluster.start(work / "cluster", gpu_nodes=1)
             kube = Kube(cluster.kubeconfig, str(cluster.bin_dir / "kubectl"), external=False)

@@ -176,7 +176,7 @@ def test_resume_drops_the_pause_and_records_who(tmp_path: Path) -> None:
 
 
 def test_argocd_cm_embeds_the_tested_actions() -> None:
-    from batchpilot_operator.localdev.cluster import bin_dir
+    from batchpilot_localdev.cluster import bin_dir
 
     kubectl = bin_dir() / "kubectl"
     exe = str(kubectl) if kubectl.exists() else (shutil.which("kubectl") or "kubectl")

@@ -104,7 +104,7 @@ def test_degraded_phase_is_degraded(tmp_path: Path) -> None:
 
 
 def kubectl_bin() -> str:
-    from batchpilot_operator.localdev.cluster import bin_dir
+    from batchpilot_localdev.cluster import bin_dir
 
     local = bin_dir() / "kubectl"
     return str(local) if local.exists() else (shutil.which("kubectl") or "kubectl")

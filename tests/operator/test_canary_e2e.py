@@ -22,9 +22,9 @@ from typing import Any
 
 import pytest
 
-from batchpilot_operator.localdev.harness import RuntimeHarness
-from batchpilot_operator.localdev.load import TraceReplay
-from batchpilot_operator.localdev.prometheus import PrometheusServer
+from batchpilot_localdev.harness import RuntimeHarness
+from batchpilot_localdev.load import TraceReplay
+from batchpilot_localdev.prometheus import PrometheusServer
 from batchpilot_operator.tune.trace import load_trace
 from bptest import REPO, TINY_CANARY_POLICY, Kube, LedgerSeen, OperatorProcess, Plugin, PolicyScenario, start_operator
 

@@ -15,11 +15,11 @@ from typing import Any
 import pytest
 from kubernetes import client
 
+from batchpilot_localdev import free_port
+from batchpilot_localdev.authproxy import BearerAuthProxy
 from batchpilot_operator import opmetrics
 from batchpilot_operator.credentials import CredentialError, TokenFile
 from batchpilot_operator.kube import kubeconfig_token_file, use_token_file
-from batchpilot_operator.localdev import free_port
-from batchpilot_operator.localdev.authproxy import BearerAuthProxy
 from batchpilot_operator.prom import PrometheusBackend, _status_code
 
 

@@ -15,7 +15,7 @@ import pytest
 import yaml
 from rich.console import Console
 
-from batchpilot_operator.localdev.demo import (
+from batchpilot_localdev.demo import (
     BATCH,
     CHANGES,
     LATENCY,
@@ -81,7 +81,7 @@ def test_event_labels_do_not_overlap(crowd: int, at: float, tmp_path: Path) -> N
 
 
 def test_events_come_from_the_ledger_and_from_what_it_no_longer_holds() -> None:
-    from batchpilot_operator.localdev.demo import rollout_events
+    from batchpilot_localdev.demo import rollout_events
 
     ledger = [
         {"time": "2027-01-15T08:00:30Z", "kind": "RolledBack", "revision": "37126e2fc4"},
@@ -127,9 +127,9 @@ def test_report_queries_on_a_real_runtime_and_prometheus(tmp_path: Path, prometh
     from datetime import UTC, datetime
     from types import SimpleNamespace
 
-    from batchpilot_operator.localdev import free_port
-    from batchpilot_operator.localdev.demo import collect_report
-    from batchpilot_operator.localdev.prometheus import ScrapeTarget
+    from batchpilot_localdev import free_port
+    from batchpilot_localdev.demo import collect_report
+    from batchpilot_localdev.prometheus import ScrapeTarget
     from bptest import REPO
 
     config = tmp_path / "config.json"
@@ -210,7 +210,7 @@ def test_report_queries_on_a_real_runtime_and_prometheus(tmp_path: Path, prometh
 
 
 def test_tenant_table_shows_each_clients_p99() -> None:
-    from batchpilot_operator.localdev.demo import tenant_rows, tenant_table
+    from batchpilot_localdev.demo import tenant_rows, tenant_table
 
     def sample(rev: str, track: str, tenant: str, value: float) -> dict[str, Any]:
         return {"metric": {"revision": rev, "track": track, "tenant": tenant}, "value": [0, str(value)]}

@@ -1,7 +1,7 @@
 """End to end through a real data plane: spec.rollout.trafficRouting with Contour + Envoy.
 
 Real control plane, the operator, a real Prometheus, one runtime process per pod (the local
-harness), Contour and Envoy (``localdev/gateway.py``); every request goes through Envoy.
+harness), Contour and Envoy (``batchpilot_localdev/gateway.py``); every request goes through Envoy.
 
 * The shipped example's traffic settings (``manifests/examples/gateway-canary.yaml``: 2
   replicas, steps 10% / 25% / 50%, minCanaryLoadRatio 0.5; only the clocks are shorter): the
@@ -45,11 +45,11 @@ import aiohttp
 import pytest
 import yaml
 
+from batchpilot_localdev.gateway import LocalGateway, httproute
+from batchpilot_localdev.harness import RuntimeHarness
+from batchpilot_localdev.load import ROW, TraceReplay
+from batchpilot_localdev.prometheus import PrometheusServer
 from batchpilot_operator.fairness import per_pod_rate_query, underfed
-from batchpilot_operator.localdev.gateway import LocalGateway, httproute
-from batchpilot_operator.localdev.harness import RuntimeHarness
-from batchpilot_operator.localdev.load import ROW, TraceReplay
-from batchpilot_operator.localdev.prometheus import PrometheusServer
 from batchpilot_operator.prom import PrometheusBackend
 from bptest import REPO, TINY_MODEL, Kube, OperatorProcess, start_operator
 

@@ -5,8 +5,8 @@ import socket
 
 import pytest
 
-from batchpilot_operator import localdev
-from batchpilot_operator.localdev import _ephemeral_range, free_port
+import batchpilot_localdev as localdev
+from batchpilot_localdev import _ephemeral_range, free_port
 
 
 def test_free_ports_are_distinct_bindable_and_outside_the_ephemeral_range() -> None:

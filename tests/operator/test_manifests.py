@@ -52,7 +52,7 @@ POLICY: dict[str, Any] = {
 
 
 def kubectl_bin() -> str:
-    from batchpilot_operator.localdev.cluster import bin_dir
+    from batchpilot_localdev.cluster import bin_dir
 
     local = bin_dir() / "kubectl"
     return str(local) if local.exists() else (shutil.which("kubectl") or "kubectl")

@@ -1,4 +1,4 @@
-"""The local pod network (localdev/podnet.py): a CONNECT to a pod address reaches the process that
+"""The local pod network (batchpilot_localdev/podnet.py): a CONNECT to a pod address reaches the process that
 plays the pod on 127.0.0.1, an unknown address gets 502 and is never dialled, and routes can
 only point into 127.0.0.0/8. A real proxy process on a Unix socket, a real HTTP server."""
 
@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from batchpilot_operator.localdev import free_port, podnet
+from batchpilot_localdev import free_port, podnet
 
 
 @pytest.fixture
@@ -23,7 +23,7 @@ def proxy(tmp_path: Path) -> Iterator[tuple[Path, Path]]:
     sock = tmp_path / "podnet.sock"
     routes = tmp_path / "routes"
     proc = subprocess.Popen(
-        [sys.executable, "-m", "batchpilot_operator.localdev.podnet", "--socket", str(sock), "--routes", str(routes)],
+        [sys.executable, "-m", "batchpilot_localdev.podnet", "--socket", str(sock), "--routes", str(routes)],
         stdout=subprocess.DEVNULL,
         stderr=subprocess.DEVNULL,
     )
@@ -104,7 +104,7 @@ def test_routes_point_only_into_loopback(tmp_path: Path) -> None:
 
 
 def test_the_real_nodes_bridge_is_dialled_as_it_is_and_nothing_else(tmp_path: Path) -> None:
-    # localdev/realnode.py: its pods and kubelet are real hosts on the project's own bridge.
+    # batchpilot_localdev/realnode.py: its pods and kubelet are real hosts on the project's own bridge.
     assert podnet.resolve(tmp_path, "198.18.0.7:8000") == ("198.18.0.7", 8000)
     assert podnet.resolve(tmp_path, "198.19.255.1:10250") == ("198.19.255.1", 10250)
     assert podnet.resolve(tmp_path, "198.20.0.1:8000") is None

@@ -23,9 +23,9 @@ from typing import Any
 
 import pytest
 
+from batchpilot_localdev import free_port
+from batchpilot_localdev.prometheus import PrometheusServer, ScrapeTarget
 from batchpilot_operator.analysis import SLICES, Outcome, build_queries, run_analysis
-from batchpilot_operator.localdev import free_port
-from batchpilot_operator.localdev.prometheus import PrometheusServer, ScrapeTarget
 from batchpilot_operator.prom import PrometheusBackend, scalar_from_result
 from batchpilot_operator.spec import PolicySpec
 

@@ -1,7 +1,7 @@
 """`kubectl batchpilot recommend` end to end: the operator, the real control plane, a real runtime
 process per pod (local harness) serving a replay of the real trace, and the apiserver's pod
 proxy reaching the runtime's /admin endpoints through the local pod network (only 127.0.0.0/8 is
-ever dialled: see localdev/podnet.py). Also: exactly the RBAC the command documents suffices,
+ever dialled: see batchpilot_localdev/podnet.py). Also: exactly the RBAC the command documents suffices,
 and without ``pods/proxy`` it fails saying so."""
 
 from __future__ import annotations
@@ -23,10 +23,10 @@ import aiohttp
 import pytest
 import yaml
 
+from batchpilot_localdev.harness import RuntimeHarness
+from batchpilot_localdev.load import ROW, TraceReplay
+from batchpilot_localdev.prometheus import PrometheusServer
 from batchpilot_operator.livedata import RBAC_RULES
-from batchpilot_operator.localdev.harness import RuntimeHarness
-from batchpilot_operator.localdev.load import ROW, TraceReplay
-from batchpilot_operator.localdev.prometheus import PrometheusServer
 from batchpilot_operator.tune.live import BREACH_GROWTH, BREACH_NOW
 from batchpilot_operator.tune.profile import LatencyProfile
 from batchpilot_operator.tune.search import SLOTargets, search

@@ -20,7 +20,7 @@ from typing import Any
 
 import pytest
 
-from batchpilot_operator.localdev.stack import pid_alive, processes_using, read_json
+from batchpilot_localdev.stack import pid_alive, processes_using, read_json
 from bptest import REPO
 
 pytestmark = pytest.mark.slow

@@ -52,10 +52,10 @@ from typing import Any
 
 import pytest
 
+from batchpilot_localdev.harness import RuntimeHarness
+from batchpilot_localdev.load import ROW, TraceReplay
+from batchpilot_localdev.prometheus import PrometheusServer
 from batchpilot_operator.analysis import Outcome, run_analysis
-from batchpilot_operator.localdev.harness import RuntimeHarness
-from batchpilot_operator.localdev.load import ROW, TraceReplay
-from batchpilot_operator.localdev.prometheus import PrometheusServer
 from batchpilot_operator.prom import PrometheusBackend
 from batchpilot_operator.spec import parse_spec
 from batchpilot_operator.tune.trace import load_trace

@@ -17,9 +17,9 @@ from typing import Any
 
 import pytest
 
+from batchpilot_localdev.gateway import httproute, install_crds
 from batchpilot_operator import kube as opkube
 from batchpilot_operator.controller import write_route
-from batchpilot_operator.localdev.gateway import httproute, install_crds
 from batchpilot_operator.planner import Decision
 from batchpilot_operator.spec import parse_spec
 from batchpilot_operator.status import Status

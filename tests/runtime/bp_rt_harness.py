@@ -18,7 +18,7 @@ from typing import Any
 
 import aiohttp
 
-from batchpilot_operator.localdev import free_port
+from batchpilot_localdev import free_port
 
 HERE = Path(__file__).parent
 REPO = HERE.parent.parent

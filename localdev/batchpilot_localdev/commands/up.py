@@ -7,14 +7,23 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from batchpilot_localdev.commands import checkout_or_register_why
+
+HELP = {
+    "up": "start the local stack and leave it running: control plane, Prometheus, operator, runtimes, load",
+    "down": "stop the local stack started by `batchpilot up`",
+    "load": "change the trace replay rate of the running local stack",
+}
+
 
 def register(sub: Any) -> None:
-    from batchpilot_operator.localdev.cluster import REPO_ROOT
-
-    workdir = REPO_ROOT / ".cache" / "up"
+    root = checkout_or_register_why(sub, list(HELP.items()))
+    if root is None:
+        return
+    workdir = root / ".cache" / "up"
     p: argparse.ArgumentParser = sub.add_parser(
         "up",
-        help="start the local stack and leave it running: control plane, Prometheus, operator, runtimes, load",
+        help=HELP["up"],
         description="Start the local stack in the background and print how to use it. Run again: says it is "
         "already up and reports any part that crashed (exit code 1 then).",
     )
@@ -24,7 +33,7 @@ def register(sub: Any) -> None:
     p.add_argument(
         "--trace",
         type=Path,
-        default=REPO_ROOT.parent / "shared" / "traces" / "azure-llm-2023-code.csv",
+        default=root.parent / "shared" / "traces" / "azure-llm-2023-code.csv",
         help="arrival trace CSV (TIMESTAMP,...) or one timestamp per line",
     )
     p.add_argument(
@@ -42,12 +51,12 @@ def register(sub: Any) -> None:
     p.add_argument("--timeout", type=float, default=300.0, help="seconds to wait for the stack to come up")
     p.set_defaults(func=run_up)
 
-    p = sub.add_parser("down", help="stop the local stack started by `batchpilot up`")
+    p = sub.add_parser("down", help=HELP["down"])
     p.add_argument("--workdir", type=Path, default=workdir)
     p.add_argument("--timeout", type=float, default=120.0, help="seconds to wait for a clean stop")
     p.set_defaults(func=run_down)
 
-    p = sub.add_parser("load", help="change the trace replay rate of the running local stack")
+    p = sub.add_parser("load", help=HELP["load"])
     p.add_argument("--workdir", type=Path, default=workdir)
     p.add_argument("--rate", type=float, required=True, help="req/s per policy (0: stop the load)")
     p.add_argument("--timeout", type=float, default=120.0)
@@ -60,7 +69,7 @@ def _say(text: str) -> None:
 
 
 def _guard(fn: Any) -> int:
-    from batchpilot_operator.localdev.stack import StackError
+    from batchpilot_localdev.stack import StackError
 
     try:
         code: int = fn()
@@ -71,7 +80,7 @@ def _guard(fn: Any) -> int:
 
 
 def run_up(args: argparse.Namespace) -> int:
-    from batchpilot_operator.localdev.stack import up
+    from batchpilot_localdev.stack import up
 
     if args.rate < 0:
         raise SystemExit("error: --rate must be >= 0")
@@ -84,13 +93,13 @@ def run_up(args: argparse.Namespace) -> int:
 
 
 def run_down(args: argparse.Namespace) -> int:
-    from batchpilot_operator.localdev.stack import down
+    from batchpilot_localdev.stack import down
 
     return _guard(lambda: down(args.workdir, args.timeout, _say))
 
 
 def run_load(args: argparse.Namespace) -> int:
-    from batchpilot_operator.localdev.stack import set_rate
+    from batchpilot_localdev.stack import set_rate
 
     if args.rate < 0:
         raise SystemExit("error: --rate must be >= 0")

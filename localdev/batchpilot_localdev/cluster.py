@@ -29,9 +29,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from types import TracebackType
 
-from batchpilot_operator.localdev import free_port
+from batchpilot_localdev import checkout, free_port
 
-REPO_ROOT = Path(__file__).resolve().parents[3]
+REPO_ROOT = checkout()
 DEFAULT_BIN_DIR = REPO_ROOT / ".cache" / "k8s-bin"
 POD_ROUTES = "pod-routes"
 """Directory (next to the kubeconfig) of the pod network's routes: see localdev/podnet.py."""
@@ -363,7 +363,7 @@ class LocalCluster:
             cluster._spawn(
                 "podnet",
                 ["--socket", str(podnet_socket), "--routes", str(workdir / POD_ROUTES)],
-                command=[sys.executable, "-m", "batchpilot_operator.localdev.podnet"],
+                command=[sys.executable, "-m", "batchpilot_localdev.podnet"],
             )
             cluster._spawn(
                 "etcd",

@@ -143,7 +143,7 @@ class Part:
 
 
 class Supervisor:
-    """Runs inside the detached ``python -m batchpilot_operator.localdev.stack serve`` process."""
+    """Runs inside the detached ``python -m batchpilot_localdev.stack serve`` process."""
 
     def __init__(
         self, workdir: Path, namespace: str, rate: float, trace: Path, device: str | None, real_node: bool = False
@@ -222,10 +222,10 @@ class Supervisor:
         return code
 
     def start(self) -> None:
-        from batchpilot_operator.localdev.cluster import REPO_ROOT, LocalCluster
-        from batchpilot_operator.localdev.demo import start_operator
-        from batchpilot_operator.localdev.harness import RuntimeHarness
-        from batchpilot_operator.localdev.prometheus import PrometheusServer
+        from batchpilot_localdev.cluster import REPO_ROOT, LocalCluster
+        from batchpilot_localdev.demo import start_operator
+        from batchpilot_localdev.harness import RuntimeHarness
+        from batchpilot_localdev.prometheus import PrometheusServer
 
         if self.real_node:
             self.start_real_node()
@@ -252,9 +252,9 @@ class Supervisor:
         """The control plane with no kwok node, the real node beside it (kubelet + containerd:
         the operator's pods run the runtime image), Prometheus finding them through Kubernetes
         service discovery, the operator."""
-        from batchpilot_operator.localdev.cluster import LocalCluster
-        from batchpilot_operator.localdev.demo import start_operator
-        from batchpilot_operator.localdev.realnode import prepare_namespace, start_beside
+        from batchpilot_localdev.cluster import LocalCluster
+        from batchpilot_localdev.demo import start_operator
+        from batchpilot_localdev.realnode import prepare_namespace, start_beside
 
         self.log("starting the local control plane (no kwok node)")
         self.cluster = LocalCluster.start(self.workdir / "cluster", gpu_nodes=0)
@@ -386,7 +386,7 @@ class Supervisor:
                     self.log(f"load: cannot start against {policy} yet: {type(exc).__name__}: {exc}")
 
     def start_replay(self, policy: str, example: Any) -> Any:
-        from batchpilot_operator.localdev.load import TraceReplay
+        from batchpilot_localdev.load import TraceReplay
         from batchpilot_operator.tune.trace import load_trace
 
         harness = self.harness
@@ -398,8 +398,8 @@ class Supervisor:
     def apply_load_real_node(self) -> None:
         """Replay the trace against every policy with a ready pod on the real node (at the pods'
         own addresses, as the policy's Service would route)."""
-        from batchpilot_operator.localdev.load import TraceReplay
-        from batchpilot_operator.localdev.realnode import PodEndpoints
+        from batchpilot_localdev.load import TraceReplay
+        from batchpilot_localdev.realnode import PodEndpoints
         from batchpilot_operator.tune.trace import load_trace
 
         out = self.cluster.kubectl("get", "batchingpolicies", "-n", self.namespace, "-o", "json")
@@ -489,7 +489,7 @@ def up(
     cmd = [
         sys.executable,
         "-m",
-        "batchpilot_operator.localdev.stack",
+        "batchpilot_localdev.stack",
         "serve",
         f"--workdir={workdir}",
         f"--namespace={namespace}",
@@ -610,7 +610,7 @@ def _terminate(procs: list[tuple[int, str]], grace: float = 15.0) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """The supervisor's entry point (``python -m batchpilot_operator.localdev.stack serve ...``)."""
+    """The supervisor's entry point (``python -m batchpilot_localdev.stack serve ...``)."""
     p = argparse.ArgumentParser(prog="batchpilot-stack")
     p.add_argument("mode", choices=["serve"])
     p.add_argument("--workdir", type=Path, required=True)

@@ -20,9 +20,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
 
-from batchpilot_operator.localdev import free_port
+from batchpilot_localdev import checkout, free_port
 
-REPO = Path(__file__).resolve().parents[3]
+REPO = checkout()
 TOXIPROXY_BIN = Path(
     os.environ.get("BATCHPILOT_TOXIPROXY_BIN", str(REPO / ".cache" / "toxiproxy-bin" / "toxiproxy-server"))
 )

@@ -55,10 +55,10 @@ from typing import Any
 
 import yaml
 
+from batchpilot_localdev import free_port
+from batchpilot_localdev.cluster import REPO_ROOT, wait_established
+from batchpilot_localdev.load import Endpoint
 from batchpilot_operator.children import LABEL_POLICY, LABEL_TRACK
-from batchpilot_operator.localdev import free_port
-from batchpilot_operator.localdev.cluster import REPO_ROOT, wait_established
-from batchpilot_operator.localdev.load import Endpoint
 
 DEFAULT_BIN_DIR = REPO_ROOT / ".cache" / "contour-bin"
 CONTROLLER_NAME = "projectcontour.io/gateway-controller"

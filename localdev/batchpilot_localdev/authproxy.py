@@ -17,7 +17,7 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from typing import Any
 
-from batchpilot_operator.localdev import free_port
+from batchpilot_localdev import free_port
 
 
 class BearerAuthProxy:

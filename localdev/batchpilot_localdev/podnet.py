@@ -8,13 +8,13 @@ selector (``--egress-selector-config-file``) that sends all *cluster* traffic (p
 and node proxy, logs, exec) through this HTTP CONNECT proxy, the way konnectivity does in
 real clusters. The proxy never dials the address it is asked for: it looks the pod address up
 in a routes directory (one file per ``<pod ip>_<port>``, holding ``127.0.0.1:<port>`` of the
-process that plays the pod, written by :mod:`batchpilot_operator.localdev.harness`) and
+process that plays the pod, written by :mod:`batchpilot_localdev.harness`) and
 connects there, only ever to 127.0.0.0/8. Unknown addresses get 502, a route outside
 127.0.0.0/8 gets 403: nothing ever connects to a 10.x address. The one exception is the
 project's own bridge of the real node (localdev/realnode.py, 198.18.0.0/15): its pods and its
 kubelet are real hosts there, dialled as they are (logs, exec, pod proxy).
 
-Run: ``python -m batchpilot_operator.localdev.podnet --socket PATH --routes DIR`` (the apiserver
+Run: ``python -m batchpilot_localdev.podnet --socket PATH --routes DIR`` (the apiserver
 dials the Unix socket; see ``cluster.egress_selector_config``).
 """
 

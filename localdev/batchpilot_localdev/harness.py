@@ -29,10 +29,10 @@ from typing import Any
 
 from kubernetes import client, config
 
+from batchpilot_localdev import free_port, podnet
+from batchpilot_localdev.cluster import POD_ROUTES
+from batchpilot_localdev.prometheus import PrometheusServer, ScrapeTarget
 from batchpilot_operator.children import CONFIG_KEY, LABEL_ENVIRONMENT, LABEL_POLICY, LABEL_REVISION, LABEL_TRACK
-from batchpilot_operator.localdev import free_port, podnet
-from batchpilot_operator.localdev.cluster import POD_ROUTES
-from batchpilot_operator.localdev.prometheus import PrometheusServer, ScrapeTarget
 
 
 @dataclass

@@ -38,18 +38,18 @@ from typing import TYPE_CHECKING, Any
 import yaml
 from rich.console import Console
 
-from batchpilot_operator.localdev import free_port
-from batchpilot_operator.localdev.cluster import REPO_ROOT, LocalCluster
-from batchpilot_operator.localdev.gateway import LocalGateway, httproute
-from batchpilot_operator.localdev.harness import RuntimeHarness
-from batchpilot_operator.localdev.load import Endpoint, TraceReplay
-from batchpilot_operator.localdev.modelcheck import OutcomeCollector, window_rows, window_table
-from batchpilot_operator.localdev.prometheus import PrometheusServer
+from batchpilot_localdev import free_port
+from batchpilot_localdev.cluster import REPO_ROOT, LocalCluster
+from batchpilot_localdev.gateway import LocalGateway, httproute
+from batchpilot_localdev.harness import RuntimeHarness
+from batchpilot_localdev.load import Endpoint, TraceReplay
+from batchpilot_localdev.modelcheck import OutcomeCollector, window_rows, window_table
+from batchpilot_localdev.prometheus import PrometheusServer
 from batchpilot_operator.spec import parse_spec
 from batchpilot_operator.tune.trace import load_trace
 
 if TYPE_CHECKING:  # started only with --real-node, imported there
-    from batchpilot_operator.localdev.realnode import PodEndpoints, RealNode
+    from batchpilot_localdev.realnode import PodEndpoints, RealNode
 
 DEMO_DIR = REPO_ROOT / "manifests" / "demo"
 CHANGES = [
@@ -143,7 +143,7 @@ class Demo:
         restricted Pod Security Standard; Prometheus finds them by Kubernetes service discovery
         and requests reach them at their addresses on the node's bridge (as ``batchpilot up
         --real-node``)."""
-        from batchpilot_operator.localdev.realnode import PodEndpoints, prepare_namespace, start_beside
+        from batchpilot_localdev.realnode import PodEndpoints, prepare_namespace, start_beside
 
         self.say("[bold]starting the local control plane[/] (etcd, kube-apiserver, controller-manager, scheduler)")
         self.cluster = LocalCluster.start(self.workdir / "cluster", gpu_nodes=0)

@@ -53,9 +53,8 @@ from typing import IO, Any
 
 import yaml
 
-from batchpilot_operator.children import LABEL_POLICY, LABEL_REVISION, LABEL_TRACK, RUNTIME_PORT
-from batchpilot_operator.localdev import free_port, podnet
-from batchpilot_operator.localdev.cluster import (
+from batchpilot_localdev import free_port, podnet
+from batchpilot_localdev.cluster import (
     ADMIN_TOKEN,
     REPO_ROOT,
     LocalCluster,
@@ -63,7 +62,8 @@ from batchpilot_operator.localdev.cluster import (
     make_node_credentials,
     write_cert_kubeconfig,
 )
-from batchpilot_operator.localdev.prometheus import KubernetesSD, PrometheusServer
+from batchpilot_localdev.prometheus import KubernetesSD, PrometheusServer
+from batchpilot_operator.children import LABEL_POLICY, LABEL_REVISION, LABEL_TRACK, RUNTIME_PORT
 
 NODE_NAME = "bp-node-0"
 BRIDGE = "bp-br0"
@@ -701,7 +701,7 @@ def prepare_namespace(cluster: LocalCluster, namespace: str, workdir: Path) -> P
 
 @dataclass(frozen=True)
 class PodEndpoint:
-    """A ready runtime pod on the node: where a :class:`~batchpilot_operator.localdev.load.TraceReplay`
+    """A ready runtime pod on the node: where a :class:`~batchpilot_localdev.load.TraceReplay`
     sends a request (its ``Endpoint``), at the pod's own address on the bridge."""
 
     pod: str

@@ -25,16 +25,15 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from batchpilot_operator.localdev import free_port
+from batchpilot_localdev import checkout, free_port
 
 PROMETHEUS_BIN = shutil.which("prometheus") or "/usr/bin/prometheus"
 UPSTREAM_PROMETHEUS_BIN = (
-    Path(os.environ.get("BATCHPILOT_PROMETHEUS_BIN", Path(__file__).resolve().parents[3] / ".cache" / "prometheus-bin"))
-    / "prometheus"
+    Path(os.environ.get("BATCHPILOT_PROMETHEUS_BIN", checkout() / ".cache" / "prometheus-bin")) / "prometheus"
 )
 """Upstream Prometheus (``hack/prometheus/build.sh``), for :class:`KubernetesSD`: Debian's is built
 without Kubernetes service discovery."""
-PODMONITOR = Path(__file__).resolve().parents[3] / "manifests" / "components" / "monitoring" / "podmonitor.yaml"
+PODMONITOR = checkout() / "manifests" / "components" / "monitoring" / "podmonitor.yaml"
 
 
 @dataclass(frozen=True)

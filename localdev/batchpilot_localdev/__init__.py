@@ -1,9 +1,42 @@
-"""Local development: a real control plane, Prometheus and runtime processes on one machine."""
+"""The development stack: a real control plane, Prometheus, Envoy and runtime processes on one
+machine (``make demo``, ``make up``, the end-to-end tests and drills).
 
+Its own package, never in an image: the operator does not import it (an import contract), and
+it finds the checkout it builds and reads (``.cache/``, ``hack/``, ``crds/``, ``manifests/``)
+with :func:`checkout`.
+"""
+
+import os
 import random
 import socket
 import threading
 from pathlib import Path
+
+CHECKOUT_ENV = "BATCHPILOT_CHECKOUT"
+CHECKOUT_MARKERS = ("pyproject.toml", "hack/setup.sh", "crds/batchingpolicy.yaml")
+"""Files that make a directory a batchpilot checkout."""
+
+
+def checkout() -> Path:
+    """The batchpilot checkout: ``$BATCHPILOT_CHECKOUT`` when set, else the nearest directory
+    above this package that holds every one of :data:`CHECKOUT_MARKERS` (an editable install
+    of a checkout, as ``hack/setup.sh`` makes). Raises with what to do when there is none."""
+    given = os.environ.get(CHECKOUT_ENV)
+    if given:
+        root = Path(given).resolve()
+        missing = [m for m in CHECKOUT_MARKERS if not (root / m).is_file()]
+        if missing:
+            raise RuntimeError(f"${CHECKOUT_ENV}={given} is not a batchpilot checkout (no {', '.join(missing)})")
+        return root
+    here = Path(__file__).resolve().parent
+    for root in here.parents:
+        if all((root / m).is_file() for m in CHECKOUT_MARKERS):
+            return root
+    raise RuntimeError(
+        f"the development stack runs from a batchpilot checkout and {here} is in none: "
+        f"install the checkout editable (bash hack/setup.sh) or set ${CHECKOUT_ENV}"
+    )
+
 
 # Ports handed out by this process; never handed out twice, so that two callers who have not yet
 # bound theirs (the apiserver's, etcd's client and peer ports, picked together) cannot collide.

@@ -1,4 +1,4 @@
-"""`batchpilot demo`: the whole loop on one machine (see batchpilot_operator.localdev.demo)."""
+"""`batchpilot demo`: the whole loop on one machine (see batchpilot_localdev.demo)."""
 
 from __future__ import annotations
 
@@ -6,14 +6,17 @@ import argparse
 from pathlib import Path
 from typing import Any
 
+from batchpilot_localdev.commands import checkout_or_register_why
+
+HELP = "local end-to-end demo: control plane, Prometheus, operator, trace replay, canaries"
+
 
 def register(sub: Any) -> None:
-    from batchpilot_operator.localdev.cluster import REPO_ROOT
-
-    p: argparse.ArgumentParser = sub.add_parser(
-        "demo", help="local end-to-end demo: control plane, Prometheus, operator, trace replay, canaries"
-    )
-    p.add_argument("--workdir", type=Path, default=REPO_ROOT / ".cache" / "demo", help="wiped at the start")
+    root = checkout_or_register_why(sub, [("demo", HELP)])
+    if root is None:
+        return
+    p: argparse.ArgumentParser = sub.add_parser("demo", help=HELP)
+    p.add_argument("--workdir", type=Path, default=root / ".cache" / "demo", help="wiped at the start")
     # 24 req/s over the demo's 4 pods (6 per pod between bursts, up to ~90 in the trace's 15x
     # bursts) leaves the stable within its 120ms p99 SLO outside the biggest bursts on a 2-core
     # machine that also runs the control plane, Prometheus and the operator; at 40 req/s the
@@ -22,7 +25,7 @@ def register(sub: Any) -> None:
     p.add_argument(
         "--trace",
         type=Path,
-        default=REPO_ROOT.parent / "shared" / "traces" / "azure-llm-2023-code.csv",
+        default=root.parent / "shared" / "traces" / "azure-llm-2023-code.csv",
         help="arrival trace CSV (TIMESTAMP,...) or one timestamp per line",
     )
     p.add_argument(
@@ -35,6 +38,6 @@ def register(sub: Any) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from batchpilot_operator.localdev.demo import run_demo
+    from batchpilot_localdev.demo import run_demo
 
     return run_demo(args.workdir, args.rate, args.trace, args.real_node)
