@@ -17,7 +17,8 @@ measured capacity), a fresh runtime serves the trace slice open-loop ``--repeats
   ``live_current``, the live path of ``recommend``: the profile the pods running ``--current``
   measured serving the same trace at the same load (for the current setting's own rows, its
   previous run's), which predicts every candidate setting, the larger ones from the timed
-  passes the runtime makes at start past its lanes' maxima.
+  passes the runtime makes at start past its lanes' maxima (scaled by the runtime to the level
+  its live batches run at: ``warmupScale``; ``live_current_unscaled`` undoes that scaling).
 
 Per row (trace, setting, load): the prediction (the tuner's simulator on the scheduled
 arrivals, with the profile measured in-process, the per-request overhead measured at load
@@ -124,6 +125,21 @@ def server_check(
         out["observed_p99_ms"] = tv._ms(got.observed_p99)
         out[name] = {"predicted_p99_ms": tv._ms(got.predicted_p99), "error": round(got.raw_error, 3)}
     return out, live_doc
+
+
+def unscaled(profile: LatencyProfile) -> LatencyProfile:
+    """``profile`` with its warm-up-only points back at the level they were timed at (before the
+    runtime scaled them by ``warmupScale``): the live path as it was without that scaling."""
+    scale = profile.warmup_scale or 1.0
+    points = [
+        p.model_copy(
+            update={k: getattr(p, k) / scale for k in ("p50", "p90", "p99", "mean") if getattr(p, k) is not None}
+        )
+        if p.source == "warmup"
+        else p
+        for p in profile.points
+    ]
+    return profile.model_copy(update={"points": points, "warmup_scale": None})
 
 
 def run_once(
@@ -371,6 +387,8 @@ def main() -> int:
                         live_current = current_live.get(load) if settings != current else previous_live.get(current)
                         if live_current is not None:
                             given["live_current"] = live_current
+                            if live_current.warmup_scale:
+                                given["live_current_unscaled"] = unscaled(live_current)
                         run, live_doc = run_once(tmp, args, settings, offsets, given)
                         previous_live[settings] = LatencyProfile.model_validate(live_doc)
                         if settings == current:

@@ -194,13 +194,30 @@ class LiveProfile:
         with self._lock:
             return {k: list(v) for k, v in self.warmup.items()}, {k: list(v) for k, v in self.live.items()}
 
+    def warmup_scale(self, min_live: int = 20) -> float | None:
+        """How much slower a pass runs now than it did at warm-up: the median over the batch sizes
+        with both warm-up passes and ``min_live`` live batches of live median / warm-up median
+        (None: no such size yet). Warm-up passes are timed at start-up, one size after another,
+        often beside other pods starting, or on an idle machine that serving later keeps busy:
+        their level is that moment's, not the pod's."""
+        warm, live_all = self.samples()
+        ratios = [
+            statistics.median(live_all[size]) / statistics.median(warm[size])
+            for size in warm
+            if len(live_all.get(size, ())) >= min_live and statistics.median(warm[size]) > 0
+        ]
+        return statistics.median(ratios) if ratios else None
+
     def points(self, min_live: int = 20) -> list[dict[str, Any]]:
-        """One point per batch size: live samples when there are ``min_live``, else warm-up and live."""
+        """One point per batch size: live samples when there are ``min_live``, else warm-up and live,
+        the warm-up passes scaled by :meth:`warmup_scale` to the level the live batches run at now
+        (the sizes the pod serves seldom or never, past its lanes' maxima among them)."""
         out: list[dict[str, Any]] = []
         warm, live_all = self.samples()
+        scale = self.warmup_scale(min_live) or 1.0
         for size in sorted(set(warm) | set(live_all)):
             live = live_all.get(size, [])
-            xs = live if len(live) >= min_live else [*warm.get(size, ()), *live]
+            xs = live if len(live) >= min_live else [*(x * scale for x in warm.get(size, ())), *live]
             if not xs:
                 continue
             xs.sort()
@@ -467,6 +484,7 @@ class Capture:
     def profile_doc(self, device: str, threads: int | None) -> dict[str, Any]:
         """The ``/admin/profile`` document, in the format ``batchpilot profile`` writes."""
         points = self.profile.points()
+        scale = self.profile.warmup_scale()
         model: dict[str, Any] = {
             "name": self.cfg.model.name,
             "source": self.cfg.model.source,
@@ -500,6 +518,8 @@ class Capture:
             "dispatchDelay": format_duration(dispatch_delay),
             # CPU of this process per request (absent until enough requests): the simulator's HTTP loop.
             **({"frontEndCost": format_duration(front_end)} if front_end is not None else {}),
+            # The factor the warm-up passes of the points were scaled by (absent: not yet measured).
+            **({"warmupScale": round(scale, 4)} if scale is not None else {}),
             "points": points,
             "measuredAt": datetime.now(UTC).strftime("%Y-%m-%dT%H:%M:%SZ"),
             "note": (

@@ -195,7 +195,9 @@ def test_live_profile_prefers_live_samples_and_is_a_latency_profile() -> None:
     points = {p["batchSize"]: p for p in prof.points(min_live=20)}
     assert points[1]["source"] == "live" and points[1]["samples"] == 50
     assert points[1]["p50"] == "3ms" and points[1]["p99"] == "5ms"
-    assert points[4]["source"] == "warmup" and points[4]["p50"] == "20ms"
+    # Size 4 has warm-up passes only: scaled by what size 1 shows (live 3 ms / warm-up 10 ms).
+    assert prof.warmup_scale(min_live=20) == pytest.approx(0.3)
+    assert points[4]["source"] == "warmup" and points[4]["p50"] == "6ms"
     cap = Capture(CFG, "stable", capacity=4)
     cap.profile = prof
     doc = cap.profile_doc("cpu", 1)
@@ -206,6 +208,32 @@ def test_live_profile_prefers_live_samples_and_is_a_latency_profile() -> None:
     # live points over warm-up ones.
     assert parsed.quantile == "mean" and parsed.exec_time(1) == pytest.approx(0.003)
     assert [p.source for p in parsed.points] == ["live", "warmup"]
+    assert parsed.warmup_scale == pytest.approx(0.3)
+
+
+def test_warm_up_passes_are_scaled_to_the_level_live_batches_run_at() -> None:
+    # Warm-up timed on an idle machine (or beside other pods starting): the sizes served live show
+    # how far off that level is now, and the sizes with warm-up passes only (past the lanes'
+    # maxima) move with them, by the median ratio over the sizes that have both.
+    prof = LiveProfile()
+    assert prof.warmup_scale() is None
+    for size, warm in ((1, 0.004), (2, 0.005), (8, 0.010), (32, 0.020)):
+        for _ in range(3):
+            prof.add_warmup(size, warm)
+    assert prof.warmup_scale() is None  # no live batches yet: the warm-up level stands
+    assert {p["batchSize"]: p["p50"] for p in prof.points()}[32] == "20ms"
+    for _ in range(30):
+        prof.add_live(1, 0.006)  # x1.5
+        prof.add_live(2, 0.010)  # x2.0
+        prof.add_live(8, 0.018)  # x1.8
+    assert prof.warmup_scale() == pytest.approx(1.8)
+    points = {p["batchSize"]: p for p in prof.points()}
+    assert points[32]["source"] == "warmup" and points[32]["p50"] == "36ms"
+    assert points[8]["source"] == "live" and points[8]["p50"] == "18ms"  # live points are as measured
+    # A size with a few live batches pools them with its scaled warm-up passes.
+    prof.add_live(32, 0.040)
+    assert {p["batchSize"]: p for p in prof.points()}[32]["source"] == "warmup+live"
+    assert {p["batchSize"]: p for p in prof.points()}[32]["p99"] == "40ms"
 
 
 # ----------------------------------------------------------------------------- front end

@@ -111,6 +111,13 @@ class LatencyProfile(_Model):
         "loop serves requests one at a time, so a burst above 1/frontEndCost per second queues in "
         "front of the batcher (the simulator's front end; 0: not modelled)",
     )
+    warmup_scale: float | None = Field(
+        default=None,
+        alias="warmupScale",
+        gt=0,
+        description="a runtime's /admin/profile: the factor its warm-up passes were scaled by in the "
+        "points that have them (live / warm-up at the sizes with both; the level passes run at now)",
+    )
     points: list[ProfilePoint] = Field(min_length=1)
     measured_at: str | None = Field(default=None, alias="measuredAt")
     note: str | None = None
