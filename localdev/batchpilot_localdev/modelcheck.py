@@ -153,7 +153,19 @@ def check_window(pods: Sequence[PodRecord], lane: str, start: float, end: float)
         "predictedP99": got.predicted_p99,
         "observedP99": got.observed_p99,
         "error": got.raw_error,
+        # What the model was given, to tell a wrong profile from a wrong queue (seconds).
+        "profile": {
+            "requestOverhead": profile.request_overhead,
+            "dispatchDelay": profile.dispatch_delay,
+            "frontEndCost": profile.front_end_cost,
+            "warmupScale": profile.warmup_scale,
+            "pass": {str(b): profile.exec_time(b) for b in sorted({1, settings_max(traffic)})},
+        },
     }
+
+
+def settings_max(traffic: MergedTraffic) -> int:
+    return int(traffic.settings_ran[0]["maxBatchSize"]) if traffic.settings_ran else 1
 
 
 def window_rows(collector: OutcomeCollector, ledger: Sequence[dict[str, Any]], start: float) -> list[dict[str, Any]]:

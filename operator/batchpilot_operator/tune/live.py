@@ -306,6 +306,9 @@ def merge_profiles(docs: Sequence[Mapping[str, Any]]) -> LatencyProfile:
             "dispatch_delay": statistics.median(p.dispatch_delay for p in profiles),
             "request_overhead": statistics.median(p.request_overhead for p in profiles),
             "front_end_cost": statistics.median(p.front_end_cost for p in profiles),
+            "warmup_scale": statistics.median(scales)
+            if (scales := [p.warmup_scale for p in profiles if p.warmup_scale])
+            else None,
             "note": f"merged from {len(profiles)} pod(s): per batch size the live samples of every pod, "
             "pooled (warm-up passes only where no pod has live ones)",
         }
