@@ -6,7 +6,7 @@ import argparse
 from pathlib import Path
 from typing import Any
 
-from batchpilot_localdev.commands import checkout_or_register_why
+from batchpilot_localdev.commands import add_real_node_argument, add_trace_argument, checkout_or_register_why
 
 HELP = "local end-to-end demo: control plane, Prometheus, operator, trace replay, canaries"
 
@@ -22,18 +22,8 @@ def register(sub: Any) -> None:
     # machine that also runs the control plane, Prometheus and the operator; at 40 req/s the
     # stable itself breached for long stretches and the canary verdicts had little to go on.
     p.add_argument("--rate", type=float, default=24.0, help="mean request rate of the replayed trace (req/s)")
-    p.add_argument(
-        "--trace",
-        type=Path,
-        default=root.parent / "shared" / "traces" / "azure-llm-2023-code.csv",
-        help="arrival trace CSV (TIMESTAMP,...) or one timestamp per line",
-    )
-    p.add_argument(
-        "--real-node",
-        action="store_true",
-        help="run the pods on a real node (kubelet + containerd, the images of `make images`) instead of kwok "
-        "and the runtime harness; needs root (a bridge, network namespaces, cgroups)",
-    )
+    add_trace_argument(p, root)
+    add_real_node_argument(p)
     p.set_defaults(func=run)
 
 

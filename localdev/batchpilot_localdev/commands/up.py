@@ -7,7 +7,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from batchpilot_localdev.commands import checkout_or_register_why
+from batchpilot_localdev.commands import add_real_node_argument, add_trace_argument, checkout_or_register_why
 
 HELP = {
     "up": "start the local stack and leave it running: control plane, Prometheus, operator, runtimes, load",
@@ -30,24 +30,14 @@ def register(sub: Any) -> None:
     p.add_argument("--workdir", type=Path, default=workdir, help=f"state, logs and data (default {workdir})")
     p.add_argument("-n", "--namespace", default="default", help="namespace the runtime harness and load serve")
     p.add_argument("--rate", type=float, default=10.0, help="trace replay rate per policy, req/s (0: no load)")
-    p.add_argument(
-        "--trace",
-        type=Path,
-        default=root.parent / "shared" / "traces" / "azure-llm-2023-code.csv",
-        help="arrival trace CSV (TIMESTAMP,...) or one timestamp per line",
-    )
+    add_trace_argument(p, root)
     p.add_argument(
         "--runtime-device",
         default="auto",
         help="device for every runtime process (kwok's GPU nodes are fake; auto: CUDA if present, else CPU); "
         "'policy' keeps each policy's own",
     )
-    p.add_argument(
-        "--real-node",
-        action="store_true",
-        help="run the pods on a real node (kubelet + containerd, the images of `make images`) instead of kwok "
-        "and the runtime harness; needs root (a bridge, network namespaces, cgroups)",
-    )
+    add_real_node_argument(p)
     p.add_argument("--timeout", type=float, default=300.0, help="seconds to wait for the stack to come up")
     p.set_defaults(func=run_up)
 
