@@ -152,3 +152,23 @@ def test_pruning_does_not_change_the_answer() -> None:
     # The pruned search's pick is within the tie tolerance (3%) of the true best, plus the
     # bisection's resolution (1%).
     assert pruned.capacity >= best * (1 - 0.03) * (1 - 0.01)
+
+
+def test_a_setting_that_meets_the_slo_only_once_its_batches_fill_is_named_in_the_error() -> None:
+    # A 50 ms window under a 30 ms SLO: at a trickle every request waits the whole window and
+    # misses; at 100 req/s batches of 4 fill first and meet it. No rate range from zero works,
+    # and the error says which setting and what to change instead of "failed verification".
+    rng = random.Random(1)
+    t, times = 0.0, []
+    for _ in range(2000):
+        t += rng.expovariate(100.0)
+        times.append(t)
+    profile = LatencyProfile(
+        model=ProfiledModel(name="m", source="s"),
+        quantile="mean",
+        points=[ProfilePoint(batch_size=1, p50=0.002, p99=0.002), ProfilePoint(batch_size=4, p50=0.004, p99=0.004)],
+    )
+    with pytest.raises(ValueError, match=r"missed it at a lower one \(maxBatchSize 4 window 0\.05s\): relax the SLO"):
+        search(
+            Trace.from_times(times, "poisson"), profile, SLOTargets(0.03, 0.03, 0.0), batch_sizes=[4], windows=[0.05]
+        )

@@ -336,7 +336,16 @@ def search(
             )
             ranked.remove(r)
     if chosen is None or chosen_sim is None:
-        raise ValueError("no setting passed verification at lower rates")
+        raise ValueError(
+            "no setting meets the SLO at every rate up to its capacity: each one that met it at some rate "
+            "missed it at a lower one ("
+            + ", ".join(
+                f"maxBatchSize {r.settings.max_batch_size} window {r.settings.max_queue_delay:g}s"
+                for r in results
+                if r.capacity
+            )
+            + "): relax the SLO or the margin"
+        )
     capacity = chosen.capacity or 0.0
     at_target = chosen_sim
     if rate > capacity:
