@@ -159,13 +159,9 @@ def check_window(pods: Sequence[PodRecord], lane: str, start: float, end: float)
             "dispatchDelay": profile.dispatch_delay,
             "frontEndCost": profile.front_end_cost,
             "warmupScale": profile.warmup_scale,
-            "pass": {str(b): profile.exec_time(b) for b in sorted({1, settings_max(traffic)})},
+            "pass": {str(b): profile.exec_time(b) for b in sorted({1, int(settings_ran[0]["maxBatchSize"])})},
         },
     }
-
-
-def settings_max(traffic: MergedTraffic) -> int:
-    return int(traffic.settings_ran[0]["maxBatchSize"]) if traffic.settings_ran else 1
 
 
 def window_rows(collector: OutcomeCollector, ledger: Sequence[dict[str, Any]], start: float) -> list[dict[str, Any]]:

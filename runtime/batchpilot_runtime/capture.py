@@ -168,6 +168,20 @@ def _quantile(sorted_values: Sequence[float], q: float) -> float:
     return sorted_values[k]
 
 
+def _warmup_scale(warm: dict[int, list[float]], live: dict[int, list[float]], min_live: int) -> float | None:
+    """How much slower a pass runs now than it did at warm-up: the median over the batch sizes
+    with both warm-up passes and ``min_live`` live batches of live median / warm-up median
+    (None: no such size yet). Warm-up passes are timed at start-up, one size after another,
+    often beside other pods starting, or on an idle machine that serving later keeps busy:
+    their level is that moment's, not the pod's."""
+    ratios = []
+    for size, passes in warm.items():
+        timed = statistics.median(passes) if passes else 0.0
+        if timed > 0 and len(live.get(size, ())) >= min_live:
+            ratios.append(statistics.median(live[size]) / timed)
+    return statistics.median(ratios) if ratios else None
+
+
 class LiveProfile:
     """Forward time per batch size from warm-up and live batches (bounded per size)."""
 
@@ -195,26 +209,22 @@ class LiveProfile:
             return {k: list(v) for k, v in self.warmup.items()}, {k: list(v) for k, v in self.live.items()}
 
     def warmup_scale(self, min_live: int = 20) -> float | None:
-        """How much slower a pass runs now than it did at warm-up: the median over the batch sizes
-        with both warm-up passes and ``min_live`` live batches of live median / warm-up median
-        (None: no such size yet). Warm-up passes are timed at start-up, one size after another,
-        often beside other pods starting, or on an idle machine that serving later keeps busy:
-        their level is that moment's, not the pod's."""
-        warm, live_all = self.samples()
-        ratios = [
-            statistics.median(live_all[size]) / statistics.median(warm[size])
-            for size in warm
-            if len(live_all.get(size, ())) >= min_live and statistics.median(warm[size]) > 0
-        ]
-        return statistics.median(ratios) if ratios else None
+        """How much slower a pass runs now than it did at warm-up (see :func:`_warmup_scale`)."""
+        return _warmup_scale(*self.samples(), min_live)
 
     def points(self, min_live: int = 20) -> list[dict[str, Any]]:
+        """One point per batch size (see :meth:`snapshot`)."""
+        return self.snapshot(min_live)[0]
+
+    def snapshot(self, min_live: int = 20) -> tuple[list[dict[str, Any]], float | None]:
         """One point per batch size: live samples when there are ``min_live``, else warm-up and live,
-        the warm-up passes scaled by :meth:`warmup_scale` to the level the live batches run at now
-        (the sizes the pod serves seldom or never, past its lanes' maxima among them)."""
+        the warm-up passes scaled by :func:`_warmup_scale` to the level the live batches run at now
+        (the sizes the pod serves seldom or never, past its lanes' maxima among them); and that
+        scale, from the same samples (None: not measured yet)."""
         out: list[dict[str, Any]] = []
         warm, live_all = self.samples()
-        scale = self.warmup_scale(min_live) or 1.0
+        measured = _warmup_scale(warm, live_all, min_live)
+        scale = measured or 1.0
         for size in sorted(set(warm) | set(live_all)):
             live = live_all.get(size, [])
             xs = live if len(live) >= min_live else [*(x * scale for x in warm.get(size, ())), *live]
@@ -236,7 +246,7 @@ class LiveProfile:
                     "source": "live" if len(live) >= min_live else ("warmup+live" if live else "warmup"),
                 }
             )
-        return out
+        return out, measured
 
 
 class RecentDurations:
@@ -483,8 +493,7 @@ class Capture:
 
     def profile_doc(self, device: str, threads: int | None) -> dict[str, Any]:
         """The ``/admin/profile`` document, in the format ``batchpilot profile`` writes."""
-        points = self.profile.points()
-        scale = self.profile.warmup_scale()
+        points, scale = self.profile.snapshot()
         model: dict[str, Any] = {
             "name": self.cfg.model.name,
             "source": self.cfg.model.source,
