@@ -1,0 +1,254 @@
+"""The canary's verdict per lane and tenant slice (:func:`verdicts`), and one whole analysis
+against a metrics backend (:func:`run_analysis`)."""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from datetime import datetime
+
+from batchpilot_operator.analysis.backend import Measurement, MetricsBackend
+from batchpilot_operator.analysis.checks import MetricCheck, check_metric, judge, judge_client_errors, slice_confidence
+from batchpilot_operator.analysis.objectives import (
+    METRICS,
+    MetricName,
+    Outcome,
+    Track,
+    combine,
+    lane_budgets,
+    lane_thresholds,
+    objective,
+)
+from batchpilot_operator.analysis.queries import (
+    LaneQueries,
+    SliceKey,
+    counter_queries,
+    lane_key,
+    plan_queries,
+    promql_window,
+)
+from batchpilot_operator.analysis.tally import SLICES, next_tally, pooled, slice_counts
+from batchpilot_operator.spec import PolicySpec
+from batchpilot_operator.stats import Slices
+from batchpilot_operator.tune.calibration import RevisionCheck
+
+
+@dataclass(frozen=True)
+class LaneVerdict:
+    """A lane's verdict: its total (every tenant) and, when the policy declares tenants, one
+    verdict per tenant slice in ``slices``, each by the same rule on the slice's own requests.
+
+    How slices combine into the lane (README "Tenant slices"): a slice's objective with too few
+    requests in the window (``minSamples``, as for the total) is *thin*: Inconclusive for that
+    slice, recorded, and left out of the lane's outcome and of its step pass, so a tenant that
+    sends little never holds the rollout (its requests still count in the lane's total). Any
+    other slice outcome counts as the total's would: a Failed slice fails the lane even when
+    the total passes, an Error or a breach not yet pinned on the canary holds the step. The
+    judged slices share the lane's error rate: each is held to :func:`slice_confidence`.
+    """
+
+    lane: str
+    outcome: Outcome
+    canary: tuple[MetricCheck, ...]
+    stable: tuple[MetricCheck, ...] = ()
+    tenant: str | None = None
+    slices: tuple[LaneVerdict, ...] = ()
+
+    @property
+    def thin(self) -> bool:
+        """A tenant slice with too few requests to judge any objective."""
+        return bool(self.canary) and all(c.thin for c in self.canary)
+
+    def checks(self) -> tuple[MetricCheck, ...]:
+        """The canary's checks of the total and of every slice that was judged (not thin)."""
+        return self.canary + tuple(c for s in self.slices for c in s.canary if not c.thin)
+
+    def check(self, metric: MetricName, track: Track = "canary") -> MetricCheck | None:
+        for c in self.canary if track == "canary" else self.stable:
+            if c.metric == metric:
+                return c
+        return None
+
+    @property
+    def passes_step(self) -> bool:
+        """Nothing against the canary: every objective Successful, or breached only as the
+        stable breaches too without the canary being clearly worse (a burst both tracks saw);
+        and so in every tenant slice, where a thin objective counts for nothing."""
+        thin_ok = self.tenant is not None
+
+        def passes(c: MetricCheck) -> bool:
+            return (
+                c.outcome is Outcome.SUCCESSFUL
+                or (c.outcome is Outcome.INCONCLUSIVE and c.shared_breach)
+                or (thin_ok and c.thin)
+            )
+
+        return bool(self.canary) and all(passes(c) for c in self.canary) and all(s.passes_step for s in self.slices)
+
+    @property
+    def holds_step(self) -> bool:
+        """Something against the canary: an objective Failed, or breached in a way the data
+        cannot yet pin on it (alone, or clearly worse than a breaching stable but not twice
+        as bad). Thin traffic (too few requests to judge) holds nothing against it."""
+        return any(
+            c.outcome is Outcome.FAILED
+            or (c.outcome is Outcome.INCONCLUSIVE and c.note is not None and not c.shared_breach)
+            for c in self.canary
+        ) or any(s.holds_step for s in self.slices)
+
+
+@dataclass(frozen=True)
+class AnalysisResult:
+    """One analysis of the canary over the last interval, all lanes."""
+
+    time: datetime
+    window: str
+    canary_revision: str
+    stable_revision: str | None
+    lanes: tuple[LaneVerdict, ...] = field(default_factory=tuple)
+    tally: dict[str, list[list[float]]] = field(default_factory=dict)
+    """The canary's tally after this analysis (``status.rollout.evidence``; see verdicts)."""
+    underfed: str | None = None
+    """Why this analysis could not pass the step with the canary fed less than the stable per
+    pod and no later step feeding it (``fairness.judge_load``), with what to change."""
+    model: tuple[RevisionCheck, ...] = ()
+    """The latency model against each revision's pods over this window (``modelwatch``; only
+    with ``spec.tuning``, which lets the operator read the pods' arrivals): never a verdict."""
+
+    def model_checks(self, lane: str) -> dict[str, RevisionCheck]:
+        """Track -> the model's check of that lane (absent: not attempted)."""
+        return {m.track: m for m in self.model if m.lane == lane}
+
+    @property
+    def outcome(self) -> Outcome:
+        return combine([lane.outcome for lane in self.lanes])
+
+    def evidence(self, only: Sequence[Outcome] | None = None) -> str:
+        """A short text with the canary's values (optionally only checks with given outcomes)."""
+        parts = [c.describe() for lane in self.lanes for c in lane.checks() if only is None or c.outcome in only]
+        return "; ".join(parts) if parts else "no measurements"
+
+
+def verdicts(
+    spec: PolicySpec,
+    lane_queries: Sequence[LaneQueries],
+    measurements: Mapping[str, Measurement],
+    slices: Mapping[SliceKey, Slices] | None = None,
+    history: Mapping[str, Sequence[Sequence[float]]] | None = None,
+) -> tuple[LaneVerdict, ...]:
+    """Turn raw measurements into per-lane verdicts (the canary is judged against the stable).
+
+    ``slices``: bad events and requests per sub-window of this window by (track, lane,
+    metric) (:func:`slice_counts`); ``history``: the canary's tally so far
+    (``status.rollout.evidence``, keyed by :func:`tally_key`), which this window's slices
+    extend. The verdict is on the tally (:func:`judge`)."""
+    sl = pooled(slices or {}, history or {})
+    min_samples = spec.rollout.min_samples
+    by_lane: dict[str, dict[str, list[MetricCheck]]] = {}
+    for lq in lane_queries:
+        thresholds = lane_thresholds(spec, lq.lane)
+        budgets = lane_budgets(spec, lq.lane)
+        checks = by_lane.setdefault(lq.key, {"canary": [], "stable": []})
+        for metric in METRICS:
+            checks[lq.track].append(
+                check_metric(
+                    queries=lq,
+                    metric=metric,
+                    measurements=measurements,
+                    threshold=thresholds[metric],
+                    min_samples=min_samples,
+                    budget=budgets[metric],
+                )
+            )
+
+    def lane_verdict(lane: str, tenant: str | None, confidence: float) -> LaneVerdict | None:
+        key = lane_key(lane, tenant)
+        lane_checks = by_lane.get(key)
+        if lane_checks is None:
+            return None
+        stable = tuple(lane_checks["stable"])
+        canary = tuple(
+            (judge_client_errors if objective(c.metric).stable_only else judge)(
+                c,
+                next((s for s in stable if s.metric == c.metric), None),
+                confidence,
+                sl.get(("canary", key, c.metric)),
+                sl.get(("stable", key, c.metric)),
+            )
+            for c in lane_checks["canary"]
+        )
+        if tenant is None:
+            outcome = combine([c.outcome for c in canary])
+        else:  # a thin objective of a slice counts for nothing (LaneVerdict)
+            counted = [c.outcome for c in canary if not c.thin]
+            outcome = combine(counted) if counted else Outcome.INCONCLUSIVE
+        return LaneVerdict(lane=lane, outcome=outcome, canary=canary, stable=stable, tenant=tenant)
+
+    def judged_slices(lane: str) -> list[str]:
+        """The lane's tenant slices with enough canary requests to judge some objective."""
+        return [
+            t
+            for t in spec.tenant_slices
+            if (checks := by_lane.get(lane_key(lane, t))) is not None and not all(c.thin for c in checks["canary"])
+        ]
+
+    result = []
+    for lane in spec.lanes:
+        total = lane_verdict(lane.name, None, spec.rollout.confidence)
+        if total is None:
+            continue
+        per_slice = slice_confidence(spec.rollout.confidence, len(judged_slices(lane.name)))
+        parts = tuple(v for t in spec.tenant_slices if (v := lane_verdict(lane.name, t, per_slice)) is not None)
+        judged = [v.outcome for v in parts if not v.thin]
+        result.append(
+            dataclasses.replace(
+                total, slices=parts, outcome=combine([total.outcome, *judged]) if judged else total.outcome
+            )
+        )
+    return tuple(result)
+
+
+def run_analysis(
+    backend: MetricsBackend,
+    spec: PolicySpec,
+    *,
+    policy: str,
+    namespace: str,
+    canary_revision: str,
+    stable_revision: str | None,
+    now: datetime,
+    history: Mapping[str, Sequence[Sequence[float]]] | None = None,
+    environment: str | None = None,
+) -> AnalysisResult:
+    """Query the backend for every lane of both tracks, over the window and each of its
+    sub-windows, and judge the canary on its tally (``history`` extended by this window)."""
+    lane_queries = plan_queries(
+        spec,
+        policy=policy,
+        namespace=namespace,
+        canary_revision=canary_revision,
+        stable_revision=stable_revision,
+        environment=environment,
+    )
+    at = now.timestamp()
+    measurements = backend.measure([q for lq in lane_queries for q in lq.all()], at=at)
+    counters = counter_queries(lane_queries, policy=policy, namespace=namespace)
+    raw = [q for cq in counters for q in (cq.requests, cq.bad)]
+    step = spec.rollout.analysis_interval / SLICES
+    boundaries = [backend.measure(raw, at=at - j * step) for j in reversed(range(SLICES + 1))]
+    totals: dict[SliceKey, float] = {
+        (lq.track, lq.key, mq.metric): measurements[mq.samples].value or 0.0
+        for lq in lane_queries
+        for mq in lq.metrics
+        if mq.samples in measurements and measurements[mq.samples].error is None
+    }
+    counts = slice_counts(spec, counters, boundaries, totals)
+    return AnalysisResult(
+        time=now,
+        window=promql_window(spec.rollout.analysis_interval),
+        canary_revision=canary_revision,
+        stable_revision=stable_revision,
+        lanes=verdicts(spec, lane_queries, measurements, counts, history),
+        tally=next_tally(counts, history or {}),
+    )
