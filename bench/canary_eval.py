@@ -10,7 +10,7 @@ those requests at any instant (the runtime's histogram buckets, ``histogram_quan
 request counts by outcome, raw counters at sub-window boundaries, per-tenant slices, the
 per-pod rates of the load check), the real ``analysis.run_analysis`` judges (and, under a
 route, ``fairness.judge_load`` as the controller does), and whole rollouts run the real
-planner (``planner.plan``) from a random start into the trace.
+planner (``rollout.plan``) from a random start into the trace.
 
 Cells (:class:`Cell`): traces ``code`` (the shipped production trace of code completions,
 ../shared/traces, CC-BY 4.0: Patel et al., Splitwise, ISCA 2024; rotated at a random offset),
@@ -77,7 +77,7 @@ from batchpilot_operator.analysis import (
     verdicts,
 )
 from batchpilot_operator.fairness import judge_load, per_pod_rate_query
-from batchpilot_operator.planner import (
+from batchpilot_operator.rollout import (
     Commands,
     Observed,
     PlanInputs,
@@ -331,7 +331,7 @@ class Run:
 
 def step_layouts(spec: PolicySpec) -> dict[int, tuple[int, int, float]]:
     """Per step weight of ``spec``: (stable pods, canary pods, the canary's share of the requests),
-    from the planner's own split (``planner.split_for``): with a route the share is the weight;
+    from the planner's own split (``rollout.split_for``): with a route the share is the weight;
     without one, every pod takes an equal share."""
     out: dict[int, tuple[int, int, float]] = {}
     for step in spec.rollout.steps:

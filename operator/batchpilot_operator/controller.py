@@ -1,6 +1,6 @@
 """One reconcile of one BatchingPolicy: observe, (maybe) analyse, plan, execute.
 
-The decision is :func:`batchpilot_operator.planner.plan` (pure); this module only gathers
+The decision is :func:`batchpilot_operator.rollout.plan` (pure); this module only gathers
 its inputs and carries out the :class:`Decision`. The policy's body and its children are
 read from a :class:`ChildReader`: the operator passes its watch-fed caches
 (``control.cache``), so a reconcile issues no GET or LIST; without one it reads the API.
@@ -21,7 +21,7 @@ from batchpilot_operator import children, crashpoints, fairness, ledger, modelwa
 from batchpilot_operator.analysis import AnalysisResult, MetricsBackend, run_analysis
 from batchpilot_operator.children import LABEL_ENVIRONMENT, LABEL_REVISION, LABEL_TRACK, Manifest, Track
 from batchpilot_operator.kube import Kube, TransientKubeError, same_json
-from batchpilot_operator.planner import (
+from batchpilot_operator.rollout import (
     Commands,
     Decision,
     Observed,

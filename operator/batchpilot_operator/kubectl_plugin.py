@@ -43,7 +43,7 @@ from rich.console import Console
 from batchpilot_operator import kubectl_recommend as recommend
 from batchpilot_operator import kubectl_views, ledger
 from batchpilot_operator.oncall import render
-from batchpilot_operator.planner import (
+from batchpilot_operator.rollout import (
     ABORT_ANNOTATION,
     PAUSE_ANNOTATION,
     PROMOTE_ANNOTATION,

@@ -8,7 +8,7 @@ from typing import TYPE_CHECKING
 from prometheus_client import Counter, Gauge
 
 if TYPE_CHECKING:
-    from batchpilot_operator.planner import Decision
+    from batchpilot_operator.rollout import Decision
     from batchpilot_operator.spec import PolicySpec
 
 ROLLOUTS = Counter(

@@ -1,7 +1,7 @@
 """Canary traffic through a Gateway API HTTPRoute (``spec.rollout.trafficRouting``), pure.
 
 Without ``trafficRouting`` the canary's share is its share of pods behind one Service
-(``planner.split_replicas``). With it, the operator runs two Services, ``<policy>-stable`` and
+(``rollout.split_replicas``). With it, the operator runs two Services, ``<policy>-stable`` and
 ``<policy>-canary`` (one per track), and sets the weights of the named rule's backendRefs to
 the step's weight exactly. Three functions decide it; ``controller`` carries them out:
 
@@ -16,7 +16,7 @@ the step's weight exactly. Three functions decide it; ``controller`` carries the
   canary only once the canary's pods of that step are ready (until then it keeps the weight
   it had, or 0 for a new revision); a rollback, abort or supersede sets it to 0 at once, and
   the canary Deployment goes only when the route is *observed* at 0, and then only after
-  ``planner.ROUTE_DRAIN_SECONDS`` more (the data plane follows the route a moment later); a promotion keeps the last weight on the canary (which runs the
+  ``rollout.ROUTE_DRAIN_SECONDS`` more (the data plane follows the route a moment later); a promotion keeps the last weight on the canary (which runs the
   new revision), and the header rule with it, until the stable runs it with every pod ready,
   then moves 100% to the stable and drops the header rule in one write, and the canary goes
   once the route shows neither.

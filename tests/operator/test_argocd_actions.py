@@ -20,7 +20,7 @@ from typing import Any
 import pytest
 import yaml
 
-from batchpilot_operator.planner import command_time
+from batchpilot_operator.rollout import command_time
 from bptest import INTERACTIVE_LANE, REPO, Kube, OperatorProcess, lua_literal, policy, wait_policy_status
 
 LUA = shutil.which("lua5.1") or "/usr/bin/lua5.1"

@@ -23,7 +23,7 @@ from batchpilot_operator.analysis import (
     promql_window,
     verdicts,
 )
-from batchpilot_operator.planner import (
+from batchpilot_operator.rollout import (
     CANARY_READY_DEADLINE,
     POLL_SECONDS,
     Commands,
@@ -1127,7 +1127,7 @@ def test_progress_deadline_must_be_a_positive_duration(text: str) -> None:
 
 
 def test_pods_needed_only_in_trouble() -> None:
-    from batchpilot_operator.planner import canary_deadline_passed
+    from batchpilot_operator.rollout import canary_deadline_passed
 
     sim = healthy(make_spec())
     stable = sim.status.stable_revision

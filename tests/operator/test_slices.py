@@ -328,7 +328,7 @@ def rollout(table: Table, until: float = 600.0) -> list[Status]:
     """The initial revision, then a change rolled out with every analysis judged on ``table``."""
     from datetime import timedelta
 
-    from batchpilot_operator.planner import (
+    from batchpilot_operator.rollout import (
         Decision,
         Observed,
         PlanInputs,

@@ -41,7 +41,7 @@ from batchpilot_operator.fairness import (
     planned_load_ratio,
     underfed,
 )
-from batchpilot_operator.planner import (
+from batchpilot_operator.rollout import (
     ROUTE_DRAIN_SECONDS,
     Decision,
     Observed,

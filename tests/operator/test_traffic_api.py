@@ -20,7 +20,7 @@ import pytest
 from batchpilot_localdev.gateway import httproute, install_crds
 from batchpilot_operator import kube as opkube
 from batchpilot_operator.controller import write_route
-from batchpilot_operator.planner import Decision
+from batchpilot_operator.rollout import Decision
 from batchpilot_operator.spec import parse_spec
 from batchpilot_operator.status import Status
 from batchpilot_operator.traffic import GATEWAY_API_VERSION, HTTPROUTE_KIND, RouteObserved, RouteTarget, observe_route

@@ -1,0 +1,214 @@
+"""What an analysis leaves in the status: a ledger entry per objective, the lanes' summary
+(values, the stable's, what the gate can detect, the latency model's check) and the short
+evidence a step change or promotion carries."""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+from batchpilot_operator.analysis import AnalysisResult, LaneVerdict, MetricCheck, Outcome, format_share, format_value
+from batchpilot_operator.fairness import gating_analyses
+from batchpilot_operator.power import LIMIT, lane_detectable_error_rate, lane_detectable_regression
+from batchpilot_operator.rollout.state import PlanState
+from batchpilot_operator.status import AnalysisSummary, LaneSummary, LedgerEntry, TenantSummary
+from batchpilot_operator.tune.calibration import RevisionCheck
+
+
+def record_analysis(p: PlanState, a: AnalysisResult) -> None:
+    lanes: list[LaneSummary] = []
+    for lane in a.lanes:
+        # The lane's total, every objective; of a tenant slice only what holds against the
+        # canary (Failed, Error, or a breach not yet pinned), so the ledger stays readable.
+        judged: list[tuple[LaneVerdict, MetricCheck]] = [(lane, c) for c in lane.canary]
+        judged += [
+            (sl, c)
+            for sl in lane.slices
+            for c in sl.canary
+            if c.outcome in (Outcome.FAILED, Outcome.ERROR) or (c.outcome is Outcome.INCONCLUSIVE and c.note)
+        ]
+        for owner, c in judged:
+            s = owner.check(c.metric, "stable")
+            p._append_ledger(
+                LedgerEntry(
+                    time=p.now,
+                    kind="Analysis",
+                    revision=c.revision,
+                    track=c.track,
+                    lane=c.lane,
+                    metric=c.metric,
+                    query=c.query,
+                    value=json_float(c.value),
+                    samples=c.samples,
+                    threshold=c.threshold,
+                    outcome=c.outcome.value,
+                    evidence=c.describe(),
+                    stable_value=json_float(s.value) if s else None,
+                    stable_samples=s.samples if s else None,
+                    bad_fraction=c.bad_fraction,
+                    stable_bad_fraction=s.bad_fraction if s else None,
+                    confidence_worse=c.confidence_worse,
+                    confidence_over_budget=c.confidence_over_budget,
+                    tenant=c.tenant,
+                    **(_model_entry(a, c.lane, c.metric) if owner is lane else {}),
+                )
+            )
+        lat = lane.check("p99Latency")
+        qa = lane.check("queueAge")
+        err = lane.check("errorRate")
+        slat = lane.check("p99Latency", "stable")
+        sqa = lane.check("queueAge", "stable")
+        serr = lane.check("errorRate", "stable")
+        rej, srej = lane.check("clientErrors"), lane.check("clientErrors", "stable")
+        slo = p.spec.lane_slo(lane.lane)
+        lanes.append(
+            LaneSummary(
+                lane=lane.lane,
+                outcome=lane.outcome.value,
+                p99_latency=_val(lat),
+                p99_latency_slo=slo.p99_latency,
+                queue_age=_val(qa),
+                max_queue_age=slo.max_queue_age,
+                error_rate=_val(err),
+                max_error_rate=slo.max_error_rate,
+                samples=lat.samples if lat else None,
+                queue_samples=qa.samples if qa else None,
+                requests=err.samples if err else None,
+                stable_p99_latency=_val(slat),
+                stable_queue_age=_val(sqa),
+                stable_error_rate=_val(serr),
+                stable_samples=slat.samples if slat else None,
+                rejected=_val(rej),
+                stable_rejected=_val(srej),
+                tenants=[_tenant_summary(sl) for sl in lane.slices] or None,
+                **_detectable(lane, p.spec.rollout.confidence, gating_analyses(p.spec)),
+                **_model_summary(a, lane.lane),
+            )
+        )
+    p.st.last_analysis = AnalysisSummary(
+        time=p.now, revision=a.canary_revision, outcome=a.outcome.value, window=a.window, lanes=lanes
+    )
+
+
+def last_evidence(p: PlanState) -> str:
+    la = p.st.last_analysis
+    if la is None:
+        return ""
+    parts = [
+        f"{lane.lane}: p99 {fmt_seconds(lane.p99_latency)}/{lane.p99_latency_slo:g}s, "
+        f"queue age {fmt_seconds(lane.queue_age)}/{lane.max_queue_age:g}s, "
+        f"errors {fmt_rate(lane.error_rate)}/{fmt_rate(lane.max_error_rate)}, {fmt_count(lane.samples)} samples"
+        for lane in la.lanes
+    ]
+    return f"last analysis {la.outcome}: " + "; ".join(parts)
+
+
+def json_float(value: float | None) -> float | None:
+    """JSON (and so .status) has no Inf/NaN: those are stored as absent."""
+    return value if value is not None and math.isfinite(value) else None
+
+
+def _val(check: MetricCheck | None) -> float | None:
+    return None if check is None else json_float(check.value)
+
+
+def _predicted(m: RevisionCheck | None, metric: str) -> tuple[float | None, float | None]:
+    """(the model's value as shown, its error against the pods' own record) for one metric."""
+    c = m.check if m is not None else None
+    if c is None:
+        return None, None
+    if metric == "p99Latency":
+        return json_float(c.predicted_p99 * c.correction), json_float(c.error)
+    error = c.predicted_wait / c.observed_wait - 1 if c.observed_wait > 0 else math.nan
+    return json_float(c.predicted_wait), json_float(error)
+
+
+def _model_entry(a: AnalysisResult, lane: str, metric: str) -> dict[str, Any]:
+    """The ledger fields of the model's check beside a lane's p99 or queue-age entry (``modelwatch``)."""
+    got = a.model_checks(lane)
+    if not got or metric not in ("p99Latency", "queueAge"):
+        return {}
+    value, error = _predicted(got.get("canary"), metric)
+    stable_value, stable_error = _predicted(got.get("stable"), metric)
+    return {
+        "predicted_value": value,
+        "model_error": error,
+        "stable_predicted_value": stable_value,
+        "stable_model_error": stable_error,
+    }
+
+
+def _model_summary(a: AnalysisResult, lane: str) -> dict[str, Any]:
+    """The LaneSummary fields of the model's check of each track (``modelwatch``)."""
+    got = a.model_checks(lane)
+    if not got:
+        return {}
+    order = [got[t] for t in ("canary", "stable") if t in got]
+    return {
+        "predicted_p99_latency": _predicted(got.get("canary"), "p99Latency")[0],
+        "stable_predicted_p99_latency": _predicted(got.get("stable"), "p99Latency")[0],
+        "model": "model: " + "; ".join(m.describe() for m in order),
+    }
+
+
+def _detectable(lane: LaneVerdict, confidence: float, analyses: int) -> dict[str, object]:
+    """The LaneSummary fields saying what the gate can see at this window's traffic (``power``)
+    over the ``analyses`` windows the rollout's promoting tally can hold: the smallest p99
+    regression and the smallest error rate."""
+    out: dict[str, object] = {}
+    said: list[str] = []
+    lat, slat = lane.check("p99Latency"), lane.check("p99Latency", "stable")
+    found = lane_detectable_regression(lat, slat, confidence, analyses) if lat is not None else None
+    if found is not None and math.isinf(found):
+        said.append(f"no p99 regression up to {LIMIT + 1:g}x (the stable is far under its SLO or the traffic is thin)")
+    elif found is not None:
+        out["detectable_p99_regression"] = found
+        said.append(f"a p99 regression of {found:.0%} or more")
+    err, serr = lane.check("errorRate"), lane.check("errorRate", "stable")
+    # Errors a queue sheds come in the same bursts as slow requests: the larger clustering counts.
+    bursts = max((c.burstiness for c in (lat, err) if c is not None and c.burstiness is not None), default=None)
+    rate = lane_detectable_error_rate(err, serr, confidence, analyses, burstiness=bursts) if err is not None else None
+    if rate is not None and err is not None:
+        budget = f"budget {format_share(err.budget)}"
+        if math.isinf(rate):
+            said.append(f"no error rate at all ({budget}: the traffic is too thin or too bursty)")
+        else:
+            out["detectable_error_rate"] = rate
+            said.append(f"an error rate of {format_share(rate)} or more ({budget})")
+    if said:
+        out["detects"] = " and ".join(said) + " at the current traffic"
+    return out
+
+
+def _tenant_summary(sl: LaneVerdict) -> TenantSummary:
+    lat, slat = sl.check("p99Latency"), sl.check("p99Latency", "stable")
+    rej, srej = sl.check("clientErrors"), sl.check("clientErrors", "stable")
+    held = [
+        c.describe()
+        for c in sl.canary
+        if c.outcome in (Outcome.FAILED, Outcome.ERROR) or (c.outcome is Outcome.INCONCLUSIVE and c.note)
+    ]
+    return TenantSummary(
+        tenant=sl.tenant or "",
+        outcome=sl.outcome.value,
+        thin=sl.thin,
+        p99_latency=_val(lat),
+        stable_p99_latency=_val(slat),
+        samples=lat.samples if lat else None,
+        requests=rej.samples if rej else None,
+        rejected=_val(rej),
+        stable_rejected=_val(srej),
+        evidence="; ".join(held) or None,
+    )
+
+
+def fmt_seconds(value: float | None) -> str:
+    return "n/a" if value is None else f"{value:.4g}s"
+
+
+def fmt_rate(value: float | None) -> str:
+    return "n/a" if value is None else format_value("errorRate", value)
+
+
+def fmt_count(value: float | None) -> str:
+    return "0" if value is None else f"{value:.0f}"
