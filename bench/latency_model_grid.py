@@ -55,7 +55,8 @@ sys.path.insert(0, str(BENCH))
 import benchlib  # noqa: E402
 import tune_validation as tv  # noqa: E402
 from batchpilot_operator.tune.calibration import LaneCalibration  # noqa: E402
-from batchpilot_operator.tune.live import calibrate, merge_traffic, parse_capture  # noqa: E402
+from batchpilot_operator.tune.captures import merge_traffic, parse_capture  # noqa: E402
+from batchpilot_operator.tune.live import calibrate  # noqa: E402
 from batchpilot_operator.tune.profile import LatencyProfile  # noqa: E402
 from batchpilot_operator.tune.simulator import LaneSettings, simulate  # noqa: E402
 from batchpilot_operator.tune.trace import Trace, load_trace  # noqa: E402

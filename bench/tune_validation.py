@@ -294,7 +294,8 @@ def _err(pred: float | None, meas: float | None) -> float | None:
 
 def live(trace: Trace, args: argparse.Namespace) -> dict[str, Any]:
     """The live path (see the module docstring)."""
-    from batchpilot_operator.tune.live import merge_profiles, merge_traffic, parse_capture, recommend_lane
+    from batchpilot_operator.tune.captures import merge_profiles, merge_traffic, parse_capture
+    from batchpilot_operator.tune.live import recommend_lane
 
     b, w = args.current.split(":")
     current = LaneSettings(int(b), parse_duration(w), 100_000, 30.0)

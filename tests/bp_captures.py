@@ -5,7 +5,8 @@ from __future__ import annotations
 import random
 from typing import Any
 
-from batchpilot_operator.tune.live import lane_settings_from_spec, merge_profiles
+from batchpilot_operator.tune.captures import merge_profiles
+from batchpilot_operator.tune.live import lane_settings_from_spec
 from batchpilot_operator.tune.profile import LatencyProfile
 from batchpilot_operator.tune.simulator import simulate
 

@@ -27,7 +27,8 @@ from datetime import datetime
 from typing import Any
 
 from batchpilot_operator.tune.calibration import LaneCalibration
-from batchpilot_operator.tune.live import MergedTraffic, calibrate, merge_profiles
+from batchpilot_operator.tune.captures import MergedTraffic, merge_profiles
+from batchpilot_operator.tune.live import calibrate
 
 _RANGE = re.compile(r"\[(\d+(?:\.\d+)?)s\]")
 

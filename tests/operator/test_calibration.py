@@ -17,14 +17,8 @@ from batchpilot_operator.tune.calibration import (
     LaneCalibration,
     calibrations_from_status,
 )
-from batchpilot_operator.tune.live import (
-    check_revisions,
-    lane_settings_from_spec,
-    merge_traffic,
-    parse_capture,
-    recommend_lane,
-    recommend_policy,
-)
+from batchpilot_operator.tune.captures import merge_traffic, parse_capture
+from batchpilot_operator.tune.live import check_revisions, lane_settings_from_spec, recommend_lane, recommend_policy
 from batchpilot_operator.tune.search import SLOTargets
 from bp_captures import LANE_SETTINGS, PROFILE, capture_doc, pods_doc, poisson, profile_doc, revision_doc
 

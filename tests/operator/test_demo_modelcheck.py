@@ -8,7 +8,8 @@ from typing import Any
 import pytest
 
 from batchpilot_localdev.modelcheck import OutcomeCollector, PodRecord, window_rows, window_table
-from batchpilot_operator.tune.live import lane_settings_from_spec, merge_profiles
+from batchpilot_operator.tune.captures import merge_profiles
+from batchpilot_operator.tune.live import lane_settings_from_spec
 from batchpilot_operator.tune.simulator import simulate
 from bp_captures import LANE_SETTINGS, poisson, profile_doc
 

@@ -7,17 +7,8 @@ from typing import Any
 
 import pytest
 
-from batchpilot_operator.tune.live import (
-    BREACH_GROWTH,
-    BREACH_NOW,
-    CaptureError,
-    json_patch,
-    lane_settings_from_spec,
-    merge_profiles,
-    merge_traffic,
-    parse_capture,
-    recommend_lane,
-)
+from batchpilot_operator.tune.captures import CaptureError, merge_profiles, merge_traffic, parse_capture
+from batchpilot_operator.tune.live import BREACH_GROWTH, BREACH_NOW, json_patch, lane_settings_from_spec, recommend_lane
 from batchpilot_operator.tune.profile import LatencyProfile
 from batchpilot_operator.tune.search import SLOTargets
 from bp_captures import LANE_SETTINGS, PROFILE, capture_doc, poisson, profile_doc
