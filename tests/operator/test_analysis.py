@@ -10,6 +10,8 @@ from typing import Any
 import pytest
 
 from batchpilot_operator.analysis import (
+    METRICS,
+    OBJECTIVES,
     SLICES,
     TALLY_SLICES,
     AnalysisResult,
@@ -21,6 +23,8 @@ from batchpilot_operator.analysis import (
     combine,
     counter_queries,
     judge,
+    lane_thresholds,
+    objective,
     plan_queries,
     promql_window,
     run_analysis,
@@ -28,6 +32,7 @@ from batchpilot_operator.analysis import (
     slice_counts,
     verdicts,
 )
+from batchpilot_operator.analysis.objectives import Counted
 from batchpilot_operator.spec import PolicySpec
 from bptest import make_spec
 
@@ -541,3 +546,32 @@ def test_outliers_in_one_sub_window_are_one_cluster() -> None:
     # The same six outliers spread over the sub-windows would be a steady breach.
     spread = ((1.2, 24.0),) * 5
     assert judge(canary, stable, 0.95, spread, stable_slices).outcome is Outcome.FAILED
+
+
+def test_every_objective_record_reaches_the_queries_the_checks_and_the_status_text() -> None:
+    """A gate is one record of OBJECTIVES: its queries over the window and its raw counters are
+    built, its threshold and budget come from the lane's SLO, and every lane's verdict carries a
+    check of it that reads in words with the record's label."""
+    spec = make_spec(lanes=2)
+    lqs = plan_queries(spec, policy="chat", namespace="ml", canary_revision="c", stable_revision="s")
+    names = [o.name for o in OBJECTIVES]
+    assert list(METRICS) == names and len(set(names)) == len(names)
+    for lq in lqs:
+        assert [m.metric for m in lq.metrics] == names
+        for m in lq.metrics:
+            assert {m.value, m.samples, m.bad} <= set(lq.all())
+            src = objective(m.metric).source
+            assert (m.codes is not None) == (isinstance(src, Counted) and src.by_code)
+    counters = counter_queries(lqs, policy="chat", namespace="ml")
+    assert sorted(cq.key for cq in counters) == sorted((lq.track, lq.key, n) for lq in lqs for n in names)
+    for lane in spec.lanes:
+        slo = spec.lane_slo(lane.name)
+        assert lane_thresholds(spec, lane.name) == {o.name: o.threshold(slo) for o in OBJECTIVES}
+    assert lane_thresholds(spec, "interactive")["p99Latency"] != lane_thresholds(spec, "background")["p99Latency"]
+    lanes = verdicts(spec, lqs, {})
+    assert [v.lane for v in lanes] == [lane.name for lane in spec.lanes]
+    for v in lanes:
+        assert [c.metric for c in v.canary] == names
+        for c in v.canary:
+            assert c.outcome is Outcome.ERROR  # nothing was measured: an error, never a pass
+            assert objective(c.metric).label in c.describe()
