@@ -313,7 +313,7 @@ class Demo:
             [
                 sys.executable,
                 "-m",
-                "batchpilot_operator.kubectl_plugin",
+                "batchpilot_operator.kubectl.main",
                 *args,
                 POLICY,
                 "-n",

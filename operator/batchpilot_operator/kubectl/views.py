@@ -1,7 +1,8 @@
-"""`kubectl batchpilot list [-A]` and `kubectl batchpilot status NAME -w`: the API side.
+"""`kubectl batchpilot list [-A]`, `status NAME [-w]` and `history NAME`: read and draw.
 
-The rows, tables and frames come from :mod:`batchpilot_operator.oncall.listing` (pure); this
-module lists and watches BatchingPolicies through the plugin's :class:`Cluster` and draws.
+The rows, tables and frames come from :mod:`batchpilot_operator.oncall` (``listing`` and
+``render``, pure); this module reads, lists and watches BatchingPolicies through
+:class:`~batchpilot_operator.kubectl.cluster.Cluster` and draws.
 
 ``status -w`` draws the status view, then follows a watch on the one policy (a field selector
 on its name, resumed from the last resourceVersion, relisted when the API says it is too old)
@@ -18,7 +19,7 @@ import json
 import sys
 from collections.abc import Iterator
 from datetime import UTC, datetime
-from typing import TYPE_CHECKING, Any, cast
+from typing import Any, cast
 
 import yaml
 from rich.console import Console, Group, RenderableType
@@ -26,17 +27,10 @@ from rich.live import Live
 from rich.rule import Rule
 from rich.text import Text
 
+from batchpilot_operator.kubectl.cluster import Cluster, PluginError, emit
+from batchpilot_operator.oncall import render
 from batchpilot_operator.oncall.listing import StatusFrames, list_rows, list_view, no_policies_message
 from batchpilot_operator.spec import GROUP, PLURAL, VERSION
-
-if TYPE_CHECKING:
-    from batchpilot_operator.kubectl_plugin import Cluster
-
-
-def _plugin_error(message: str) -> Exception:
-    from batchpilot_operator.kubectl_plugin import PluginError
-
-    return PluginError(message)
 
 
 def cmd_list(cluster: Cluster, args: argparse.Namespace, console: Console) -> int:
@@ -50,7 +44,7 @@ def cmd_list(cluster: Cluster, args: argparse.Namespace, console: Console) -> in
             result = cluster.custom.list_namespaced_custom_object(GROUP, VERSION, cluster.namespace, PLURAL)
     except ApiException as exc:
         where = "all namespaces" if everywhere else f"namespace {cluster.namespace!r}"
-        raise _plugin_error(f"listing batchingpolicies in {where}: {exc.status} {exc.reason}") from exc
+        raise PluginError(f"listing batchingpolicies in {where}: {exc.status} {exc.reason}") from exc
     rows = list_rows(cast(dict[str, Any], result).get("items") or [], datetime.now(UTC))
     if args.output == "json":
         sys.stdout.write(json.dumps({"items": rows}, indent=2) + "\n")
@@ -64,13 +58,19 @@ def cmd_list(cluster: Cluster, args: argparse.Namespace, console: Console) -> in
 
 
 def cmd_status(cluster: Cluster, args: argparse.Namespace, console: Console) -> int:
-    from batchpilot_operator import kubectl_plugin
-
     if not getattr(args, "watch", False):
-        return kubectl_plugin.cmd_status(cluster, args, console)
+        data = render.summary(cluster.get(args.name), decisions=args.decisions)
+        return emit(data, args.output, console, render.status_view)
     if args.output != "table":
-        raise _plugin_error("status -w draws the table view; -o json|yaml is not supported with -w")
+        raise PluginError("status -w draws the table view; -o json|yaml is not supported with -w")
     return watch_status(cluster, args.name, console, args.decisions)
+
+
+def cmd_history(cluster: Cluster, args: argparse.Namespace, console: Console) -> int:
+    obj = cluster.get(args.name)
+    archive, error = cluster.ledger_archive(args.name)
+    data = render.history(obj, archive, error)
+    return emit(data, args.output, console, render.history_view)
 
 
 def _events(cluster: Cluster, name: str, frames: StatusFrames) -> Iterator[tuple[str, dict[str, Any]]]:
@@ -95,7 +95,7 @@ def _events(cluster: Cluster, name: str, frames: StatusFrames) -> Iterator[tuple
                 yield str(event["type"]), cast(dict[str, Any], event["object"])
         except ApiException as exc:
             if exc.status != 410:
-                raise _plugin_error(
+                raise PluginError(
                     f"watching batchingpolicy {cluster.namespace}/{name}: {exc.status} {exc.reason}"
                 ) from exc
             # Our resourceVersion is too old: list again and carry on from there.

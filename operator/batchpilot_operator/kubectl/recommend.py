@@ -25,6 +25,8 @@ from rich.console import Console, Group, RenderableType
 from rich.table import Table
 from rich.text import Text
 
+from batchpilot_operator.kubectl.cluster import Cluster, PluginError, emit
+from batchpilot_operator.livedata import gather
 from batchpilot_operator.spec import KIND, parse_spec
 from batchpilot_operator.tune.calibration import calibrations_from_status
 from batchpilot_operator.tune.live import recommend_policy
@@ -33,8 +35,8 @@ from batchpilot_runtime.config import parse_duration
 HELP = "recommend batching settings from the pods' own traffic (a patch for Git)"
 
 
-def register(sub: Any, common: argparse.ArgumentParser, func: Any) -> None:
-    """Add the ``recommend`` subcommand; ``func(cluster, args, console)`` is :func:`cmd_recommend`."""
+def register(sub: Any, common: argparse.ArgumentParser) -> None:
+    """Add the ``recommend`` subcommand, run by :func:`cmd_recommend`."""
     p = sub.add_parser("recommend", parents=[common], help=HELP, description=__doc__)
     p.add_argument("name")
     p.add_argument("--since", default="1h", help="how far back to read arrivals (default 1h; the runtime keeps <= 1h)")
@@ -47,13 +49,10 @@ def register(sub: Any, common: argparse.ArgumentParser, func: Any) -> None:
     p.add_argument("--margin", type=float, help="safety margin under the SLO (default: spec.tuning.margin, else 0.2)")
     p.add_argument("--lane", action="append", help="only this lane (repeatable; default all)")
     p.add_argument("--timeout", type=float, default=10.0, help="seconds per pod request (default 10)")
-    p.set_defaults(func=func)
+    p.set_defaults(func=cmd_recommend)
 
 
-def cmd_recommend(cluster: Any, args: argparse.Namespace, console: Console) -> int:
-    from batchpilot_operator.kubectl_plugin import PluginError, emit
-    from batchpilot_operator.livedata import gather
-
+def cmd_recommend(cluster: Cluster, args: argparse.Namespace, console: Console) -> int:
     obj = cluster.get(args.name)
     try:
         spec = parse_spec(obj.get("spec") or {})
