@@ -17,6 +17,31 @@ import pytest
 
 from bptest import CRD, Kube
 
+NEEDS_BY_FIXTURE = {
+    "kube": "cluster",
+    "namespace": "cluster",
+    "real_node": "realnode",
+    "prometheus_factory": "prometheus",
+}
+"""The fixtures that start something outside the test process, and the marker a test that uses
+one (directly or through another fixture) needs: added here, so that no test has to say it."""
+NEEDS = ("cluster", "prometheus", "realnode", "images", "runtime_server", "slow", "long_drill")
+"""The markers of tests that need more than this process (`make check` leaves them out)."""
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """Mark each test by what it needs: the markers of the fixtures it uses, then ``unit`` on
+    those that need nothing of :data:`NEEDS` (`make check` runs ``pytest -m unit``). The
+    fixture closure is pytest's own (a fixture's fixtures count), so a new test that takes
+    ``kube`` or ``prometheus`` is classified without a marker of its own."""
+    for item in items:
+        used = set(getattr(item, "fixturenames", ()))
+        for fixture, marker in NEEDS_BY_FIXTURE.items():
+            if fixture in used and item.get_closest_marker(marker) is None:
+                item.add_marker(marker)
+        if not any(item.get_closest_marker(marker) for marker in NEEDS):
+            item.add_marker("unit")
+
 
 @pytest.fixture(scope="session")
 def kube(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Kube]:

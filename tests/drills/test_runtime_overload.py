@@ -28,6 +28,8 @@ import pytest
 from bpdrill import Drill
 from bpdrill_runtime import RuntimeServer, Tally, closed_loop, lane, open_loop, run
 
+pytestmark = pytest.mark.runtime_server
+
 REQUEST_TIMEOUT_S = 1.0
 LANE = lane(request_timeout="1s", queue=64, batch=8, window="5ms")
 CAPACITY_CONCURRENCY = 16

@@ -375,6 +375,7 @@ async def send(srv: Server, specs: list[tuple[str, int]]) -> None:
             assert status == 200, doc
 
 
+@pytest.mark.runtime_server
 def test_arrivals_endpoint_serves_what_was_admitted(server: Server) -> None:
     specs = [("interactive", 1), ("interactive", 3), ("background", 2), ("interactive", 2)]
     asyncio.run(send(server, specs))
@@ -408,6 +409,7 @@ def test_arrivals_endpoint_serves_what_was_admitted(server: Server) -> None:
     assert status == 400 and "since" in err["error"]
 
 
+@pytest.mark.runtime_server
 def test_arrivals_ring_wraps_in_a_real_runtime(server: Server) -> None:
     _, before = get_json(server, "/admin/arrivals?lane=interactive")
     recorded = before["lanes"][0]["recorded"]
@@ -419,6 +421,7 @@ def test_arrivals_ring_wraps_in_a_real_runtime(server: Server) -> None:
     assert entry["rows"] == [1 + k % 4 for k in range(10, 60)]  # the newest 50, in order
 
 
+@pytest.mark.runtime_server
 def test_profile_endpoint_serves_a_latency_profile_from_warmup_and_live(server: Server) -> None:
     status, doc = get_json(server, "/admin/profile")
     assert status == 200
@@ -433,6 +436,7 @@ def test_profile_endpoint_serves_a_latency_profile_from_warmup_and_live(server: 
     assert status == 200 and raw.startswith(b"apiVersion: batchpilot.dev/v1alpha1")
 
 
+@pytest.mark.runtime_server
 def test_profile_states_the_time_requests_spend_outside_the_queue_and_the_model(server: Server) -> None:
     asyncio.run(send(server, [("interactive", 1)] * 40))
     _, doc = get_json(server, "/admin/profile")
@@ -445,6 +449,7 @@ def test_profile_states_the_time_requests_spend_outside_the_queue_and_the_model(
     assert 0 < overhead < statistics.fmean(lat - wait for lat, wait in served)
 
 
+@pytest.mark.runtime_server
 def test_cut_delay_is_exported(server: Server) -> None:
     asyncio.run(send(server, [("interactive", 1)] * 5))
     count = wait_for(

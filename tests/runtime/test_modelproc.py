@@ -18,6 +18,8 @@ from batchpilot_runtime.config import ModelConfig
 from batchpilot_runtime.modelproc import ModelProcess, ModelProcessGone, RemoteModelError
 from batchpilot_runtime.models import LoadedModel
 
+pytestmark = pytest.mark.runtime_server
+
 TEST_MODEL = ModelConfig(name="m", source="python:bp_rt_models:testmodel", device="cpu", threads=1)
 
 

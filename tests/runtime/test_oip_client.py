@@ -26,6 +26,8 @@ from tritonclient.utils import InferenceServerException
 
 from batchpilot_runtime import __version__
 
+pytestmark = pytest.mark.runtime_server
+
 REVISION = "rev-test"  # the harness's config revision: the model's only version
 
 

@@ -13,6 +13,8 @@ import aiohttp
 import pytest
 from bp_rt_harness import Server, await_for, body, infer, lane
 
+pytestmark = pytest.mark.runtime_server
+
 
 @pytest.fixture
 def server(tmp_path: Path) -> Iterator[Server]:

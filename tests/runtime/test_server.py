@@ -20,6 +20,8 @@ import aiohttp
 import pytest
 from bp_rt_harness import Server, await_for, body, infer, lane
 
+pytestmark = pytest.mark.runtime_server
+
 LANES = [
     lane("background", 4, "1ms", 50, "20s", priority=0),
     lane("interactive", 2, "1ms", 20, "20s", priority=10),

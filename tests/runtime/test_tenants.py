@@ -41,6 +41,7 @@ def with_tenant(markers: list[float], tenant: str) -> dict[str, Any]:
     return doc
 
 
+@pytest.mark.runtime_server
 async def test_tenant_from_header_or_parameters_bounded_by_the_declared_list(server: Server, session: Any) -> None:
     def served(tenant: str) -> float:
         return server.metric("batchpilot_requests_total", tenant=tenant, outcome="ok", code="200")
@@ -62,6 +63,7 @@ async def test_tenant_from_header_or_parameters_bounded_by_the_declared_list(ser
     assert server.metric("batchpilot_queue_age_seconds_count", tenant="a") >= 2
 
 
+@pytest.mark.runtime_server
 async def test_rejected_requests_counted_per_tenant_with_their_status_code(server: Server, session: Any) -> None:
     def rejected(tenant: str, code: str) -> float:
         return server.metric("batchpilot_requests_total", lane="small", tenant=tenant, outcome="invalid", code=code)
