@@ -2,7 +2,10 @@
 
 Every cross-field rule here is also a CEL rule in the CRD, with the same message, so a
 policy is judged the same way at admission and by ``batchpilot validate`` in CI
-(tests/operator/test_crd_agreement.py holds the two to the same table of cases).
+(tests/operator/test_crd.py holds the two to the same table of cases, the models here and the
+real kube-apiserver). A lane's fields are declared once, in ``batchpilot_runtime.config.LaneConfig``;
+:class:`LaneSpec` adds the operator's own, and ``hack/gen_crd.py`` writes the CRD's lane schema
+from it (tests/operator/test_crd_lane_contract.py fails when the two differ).
 Pure: imports no kopf and no Kubernetes client.
 """
 
@@ -13,7 +16,7 @@ import itertools
 import json
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, ValidationInfo, model_validator
+from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, ValidationInfo, field_validator, model_validator
 
 from batchpilot_runtime.config import (
     DEFAULT_TENANT,
@@ -29,6 +32,7 @@ from batchpilot_runtime.config import (
     RuntimeConfig,
     TenantsConfig,
     format_duration,
+    is_duration,
 )
 
 GROUP = "batchpilot.dev"
@@ -84,28 +88,46 @@ class SLO(_Spec):
     )
 
 
-class LaneSpec(_Spec):
-    name: str = Field(pattern=LANE_NAME_PATTERN)
-    max_batch_size: SpecInt = Field(alias="maxBatchSize", ge=1, le=4096)
-    max_queue_delay: SpecDuration = Field(alias="maxQueueDelay")
-    max_queue_length: SpecInt = Field(alias="maxQueueLength", ge=1, le=1_000_000)
-    request_timeout: SpecDuration = Field(alias="requestTimeout")
-    priority: SpecInt = Field(default=0, ge=0, le=100)
+class LaneSpec(LaneConfig):
+    """A lane of the spec: the runtime's lane (:class:`LaneConfig`, where its fields are declared)
+    plus what only the operator reads, typed as the CRD types them (see :meth:`_as_the_crd_types`).
+
+    The runtime's fields pass to the pods through :meth:`runtime_lane`; the others never reach a
+    pod, so they are no part of the revision."""
+
     slo: SLO | None = None
     expected_rate: float | None = Field(
         default=None,
         alias="expectedRate",
         gt=0,
-        description="requests/s the lane must sustain (all replicas)",
+        description="requests/s the lane must sustain (all replicas), for `batchpilot validate`",
     )
 
+    @field_validator(*LaneConfig.model_fields, mode="before")
+    @classmethod
+    def _as_the_crd_types(cls, value: object, info: ValidationInfo) -> object:
+        # The runtime's fields, as SpecInt and SpecDuration type the spec's own: a whole float
+        # is an integer, and a manifest spells every duration as a string.
+        assert info.field_name is not None
+        field = LaneConfig.model_fields[info.field_name]
+        if field.annotation is int:
+            return _whole_number(value)
+        if is_duration(field):
+            return _duration_string(value, info)
+        return value
+
     @model_validator(mode="after")
-    def _lane_rules(self) -> LaneSpec:
+    def _timeout_covers_window(self) -> LaneSpec:
+        # The runtime's rule, in the words of the CRD's CEL rule (it replaces LaneConfig's).
         if self.request_timeout <= self.max_queue_delay:
             raise ValueError(
                 f"spec.lanes[{self.name}].requestTimeout must be longer than maxQueueDelay: "
                 "raise requestTimeout or shorten the window"
             )
+        return self
+
+    @model_validator(mode="after")
+    def _window_under_slo(self) -> LaneSpec:
         if self.slo is not None and self.max_queue_delay >= self.slo.p99_latency:
             raise ValueError(
                 f"spec.lanes[{self.name}].maxQueueDelay must be shorter than the lane's slo.p99Latency: "
@@ -114,14 +136,12 @@ class LaneSpec(_Spec):
         return self
 
     def runtime_lane(self) -> LaneConfig:
-        return LaneConfig(
-            name=self.name,
-            max_batch_size=self.max_batch_size,
-            max_queue_delay=self.max_queue_delay,
-            max_queue_length=self.max_queue_length,
-            request_timeout=self.request_timeout,
-            priority=self.priority,
-        )
+        """The lane as the runtime reads it: every field of :class:`LaneConfig`, none of the operator's."""
+        return LaneConfig(**{name: getattr(self, name) for name in LaneConfig.model_fields})
+
+
+RUNTIME_LANE_KEYS = frozenset(field.alias or name for name, field in LaneConfig.model_fields.items())
+"""The keys of a lane in a manifest that its pods run (the others are the operator's)."""
 
 
 class ModelSpec(_Spec):
@@ -349,7 +369,7 @@ class PolicySpec(_Spec):
 
 def _lane_runtime_fields(lane: dict[str, Any]) -> dict[str, Any]:
     """A lane without its operator-only fields (SLO, expected rate)."""
-    return {k: v for k, v in lane.items() if k not in ("slo", "expectedRate")}
+    return {k: v for k, v in lane.items() if k in RUNTIME_LANE_KEYS}
 
 
 def parse_spec(spec: dict[str, Any]) -> PolicySpec:

@@ -3,6 +3,12 @@
 This module is the contract between the operator and the runtime. It needs only pydantic,
 so the operator (whose image has no torch) imports it to build the ConfigMap it mounts.
 
+:class:`LaneConfig` is where a lane's fields are declared, once: name, alias, type, bounds,
+default and description. The operator's ``LaneSpec`` (``spec.lanes[]``) is a subclass that adds
+the fields only the operator reads, and the lane schema of ``crds/batchingpolicy.yaml`` is
+written from it by ``hack/gen_crd.py`` (``tests/operator/test_crd_lane_contract.py`` fails when
+the CRD and the models differ).
+
 Durations are Kubernetes/Go-style strings (``5ms``, ``1m30s``) everywhere a human writes
 them; :func:`parse_duration` is the one place they are parsed. Inside Python they are float
 seconds; serialised they are canonical duration strings again.
@@ -24,6 +30,7 @@ from pydantic import (
     PlainSerializer,
     model_validator,
 )
+from pydantic.fields import FieldInfo
 
 _DURATION_PART = re.compile(r"(\d+(?:\.\d*)?|\.\d+)(ns|us|µs|ms|s|m|h)")
 _UNIT_SECONDS = {
@@ -102,6 +109,12 @@ Duration = Annotated[
 ]
 """A duration: written as a Go-style string, held as float seconds."""
 
+
+def is_duration(field: FieldInfo) -> bool:
+    """Whether a model's field is a :data:`Duration` (the CRD types it as a duration string)."""
+    return any(isinstance(m, BeforeValidator) and m.func is parse_duration for m in field.metadata)
+
+
 LANE_NAME_PATTERN = r"^[a-z]([a-z0-9-]{0,30}[a-z0-9])?$"
 MODEL_SOURCE_PATTERN = r"^(builtin:(mlp|transformer|tiny-mlp)|torchscript:.+|python:[A-Za-z_][\w.]*:[A-Za-z_]\w*)$"
 
@@ -111,16 +124,30 @@ class _Model(BaseModel):
 
 
 class LaneConfig(_Model):
-    """One workload lane: its own queue, batching window, limits and priority."""
+    """One workload lane: its own queue, batching window, limits and priority.
 
-    name: str = Field(pattern=LANE_NAME_PATTERN)
-    max_batch_size: int = Field(alias="maxBatchSize", ge=1, le=4096)
+    The one declaration of the lane's fields: ``spec.lanes[]`` in the operator's spec and in
+    the CRD is these fields and the operator's own (``batchpilot_operator.spec.LaneSpec``).
+    A new field here reaches the CRD by ``hack/gen_crd.py``."""
+
+    # The pattern allows at most 32 characters; the CRD states it too, for CEL's cost estimate.
+    name: str = Field(pattern=LANE_NAME_PATTERN, json_schema_extra={"maxLength": 32})
+    max_batch_size: int = Field(alias="maxBatchSize", ge=1, le=4096, description="most rows in one model call")
     max_queue_delay: Duration = Field(
-        alias="maxQueueDelay", description="batching window: the longest a row waits for batch-mates"
+        alias="maxQueueDelay", description="batching window, the longest a row waits for batch-mates (e.g. 2ms)"
     )
-    max_queue_length: int = Field(alias="maxQueueLength", ge=1, le=1_000_000)
-    request_timeout: Duration = Field(alias="requestTimeout")
-    priority: int = Field(default=0, ge=0, le=100, description="higher is served first")
+    max_queue_length: int = Field(
+        alias="maxQueueLength",
+        ge=1,
+        le=1_000_000,
+        description="rows that may wait; beyond it requests are answered 429",
+    )
+    request_timeout: Duration = Field(
+        alias="requestTimeout", description="a request still queued after this is answered 504 and not run"
+    )
+    priority: int = Field(
+        default=0, ge=0, le=100, description="higher is served first (background lanes still progress)"
+    )
 
     @model_validator(mode="after")
     def _timeout_covers_window(self) -> LaneConfig:

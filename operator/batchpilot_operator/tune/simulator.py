@@ -60,7 +60,7 @@ import math
 import random
 from collections import deque
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from typing import Literal
 
 from batchpilot_runtime.config import LaneConfig
@@ -71,7 +71,13 @@ Split = Literal["random", "round-robin"]
 
 @dataclass(frozen=True)
 class LaneSettings:
-    """The batching knobs of one lane (the fields of ``spec.lanes[]`` that shape batches)."""
+    """The batching knobs of one lane (the fields of ``spec.lanes[]`` that shape batches).
+
+    Its fields are :class:`LaneConfig`'s of the same names (:func:`_lane_config` passes them by
+    name), with the same lower bounds but none above: a simulation may explore settings the CRD
+    would refuse, an infinite timeout among them. A plain frozen dataclass, so the tuner keys its
+    tables by it and builds thousands of them cheaply (tests/operator/test_crd_lane_contract.py
+    holds the fields and the bounds to the model's)."""
 
     max_batch_size: int
     max_queue_delay: float
@@ -326,14 +332,7 @@ def _exact_replica(
 def _lane_config(s: LaneSettings) -> LaneConfig:
     """The runtime's lane config for the simulated lane (built unvalidated: a simulation may
     explore settings the CRD would refuse, an infinite timeout among them)."""
-    return LaneConfig.model_construct(
-        name="simulated",
-        max_batch_size=s.max_batch_size,
-        max_queue_delay=s.max_queue_delay,
-        max_queue_length=s.max_queue_length,
-        request_timeout=s.request_timeout,
-        priority=0,
-    )
+    return LaneConfig.model_construct(name="simulated", priority=0, **{f.name: getattr(s, f.name) for f in fields(s)})
 
 
 def _fast_replica(
