@@ -38,7 +38,7 @@ unfinished within :data:`ROLLOUT_SECONDS`, for bad changes the analyses until ro
 the first analysis said the gate can see (``detectableP99Regression``, ``detectableErrorRate``;
 the share of rollouts that said up front a 20% regression, or a 2% error rate, is out of reach).
 
-Usage: .venv/bin/python bench/canary_eval.py [--rollouts 100] [--out F]; --table F for the README
+Usage: .venv/bin/python bench/canary_eval.py [--rollouts 100] [--out F]; --table F for docs/canary-analysis.md
 """
 
 from __future__ import annotations
@@ -837,7 +837,7 @@ def summarize(c: dict[str, Any], scenario: str, failure_limit: int) -> dict[str,
 
 
 def markdown_table(result: dict[str, Any]) -> str:
-    """The README's table: per cell, each good change's rolled-back share and each bad change's
+    """The table of docs/canary-analysis.md: per cell, each good change's rolled-back share and each bad change's
     caught share (rolled back), with the rollouts behind each."""
 
     def pct(x: float | None) -> str:

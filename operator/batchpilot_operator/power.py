@@ -33,7 +33,7 @@ counts the regression would produce:
 * X is the smallest such ``f - 1``, found by bisection (the rule is monotone in ``f``), to 1%.
 
 A stable far under its SLO needs a large X before a slowdown breaches at all: the gate judges
-SLO breaches, not changes that stay inside the SLO (README "How the canary verdict decides").
+SLO breaches, not changes that stay inside the SLO (docs/canary-analysis.md "How the canary verdict decides").
 
 The error objective (requests shed, timed out or failed, against ``maxErrorRate``) gets the
 same treatment without a histogram: the smallest canary error share E that the rule fails on

@@ -6,7 +6,7 @@ operator applies the live rules with only its weights (and its header rule) chan
 ``batchpilot`` field manager, conditional on the resourceVersion it read. Argo CD, told to
 ignore what ``batchpilot`` manages (``managedFieldsManagers``, with ``RespectIgnoreDifferences``),
 applies the live rules back as they are: the weights stay. Without that setting it would apply
-Git's weights (shown last, so the README's advice is backed by a test).
+Git's weights (shown last, so the advice of manifests/argocd/README.md and docs/traffic-routing.md is backed by a test).
 """
 
 from __future__ import annotations
@@ -156,7 +156,7 @@ def test_weights_by_ssa_beside_argocd(kube: Kube, namespace: str, gateway_crds: 
 def test_without_ignore_differences_argocd_overwrites_the_weights(
     kube: Kube, namespace: str, gateway_crds: None
 ) -> None:
-    """Why the README asks for ignoreDifferences: a plain sync applies Git's weights (the
+    """Why manifests/argocd/README.md asks for ignoreDifferences: a plain sync applies Git's weights (the
     operator sets them back on its next reconcile, but traffic flips meanwhile)."""
     git = httproute("shop", namespace, "gw", "shop", {"stable": 80, "canary": 80})
     argo_sync(kube, namespace, git)

@@ -67,7 +67,7 @@ exact test is right for few events but takes every request as independent; bad e
 in runs (a queue that builds on one pod delays every request behind it), and the sub-window
 test counts one burst as one piece of evidence however many requests it delayed.
 
-Why this rule (measured in bench/canary_eval.py; README "How the canary verdict decides"):
+Why this rule (measured in bench/canary_eval.py; docs/canary-analysis.md "How the canary verdict decides"):
 a p99 from one window of a few hundred requests is the window's 2nd or 3rd slowest request,
 and under bursty traffic both tracks swing far over the SLO together. The earlier rule
 compared the canary's p99 point with the SLO and excused it only when within 10% of an

@@ -39,7 +39,7 @@ class LaneVerdict:
     """A lane's verdict: its total (every tenant) and, when the policy declares tenants, one
     verdict per tenant slice in ``slices``, each by the same rule on the slice's own requests.
 
-    How slices combine into the lane (README "Tenant slices"): a slice's objective with too few
+    How slices combine into the lane (docs/tenants.md "Tenant slices"): a slice's objective with too few
     requests in the window (``minSamples``, as for the total) is *thin*: Inconclusive for that
     slice, recorded, and left out of the lane's outcome and of its step pass, so a tenant that
     sends little never holds the rollout (its requests still count in the lane's total). Any
