@@ -30,6 +30,7 @@ from pathlib import Path
 from types import TracebackType
 
 from batchpilot_localdev import checkout, free_port
+from batchpilot_localdev.procgroup import stop_group, stop_groups
 
 REPO_ROOT = checkout()
 DEFAULT_BIN_DIR = REPO_ROOT / ".cache" / "k8s-bin"
@@ -74,6 +75,11 @@ def ensure_binaries() -> Path:
 
 def _openssl(*args: str, cwd: Path) -> None:
     subprocess.run(["openssl", *args], cwd=cwd, check=True, capture_output=True)
+
+
+def _new_key_and_csr(pki: Path, subject: str, key: str, csr: str) -> None:
+    """A new RSA key and a certificate signing request for ``subject``, in ``pki``."""
+    _openssl("req", "-newkey", "rsa:2048", "-nodes", "-subj", subject, "-keyout", key, "-out", csr, cwd=pki)
 
 
 def _sign_with_ca(pki: Path, csr: str, extfile: str, out: str) -> None:
@@ -133,19 +139,7 @@ def make_pki(pki: Path) -> None:
         "keyUsage=digitalSignature,keyEncipherment\nextendedKeyUsage=serverAuth\n"
         "subjectKeyIdentifier=hash\nauthorityKeyIdentifier=keyid,issuer\n"
     )
-    _openssl(
-        "req",
-        "-newkey",
-        "rsa:2048",
-        "-nodes",
-        "-subj",
-        "/CN=kube-apiserver",
-        "-keyout",
-        "apiserver.key",
-        "-out",
-        "apiserver.csr",
-        cwd=pki,
-    )
+    _new_key_and_csr(pki, "/CN=kube-apiserver", "apiserver.key", "apiserver.csr")
     _sign_with_ca(pki, "apiserver.csr", "san.cnf", "apiserver.crt")
     _openssl("genrsa", "-out", "sa.key", "2048", cwd=pki)
     _openssl("rsa", "-in", "sa.key", "-pubout", "-out", "sa.pub", cwd=pki)
@@ -165,19 +159,7 @@ def make_node_credentials(pki: Path, node: str) -> tuple[Path, Path]:
         "authorityKeyIdentifier=keyid,issuer\n"
     )
     csr = pki / f"node-{node}.csr"
-    _openssl(
-        "req",
-        "-newkey",
-        "rsa:2048",
-        "-nodes",
-        "-subj",
-        f"/O=system:nodes/CN=system:node:{node}",
-        "-keyout",
-        key.name,
-        "-out",
-        csr.name,
-        cwd=pki,
-    )
+    _new_key_and_csr(pki, f"/O=system:nodes/CN=system:node:{node}", key.name, csr.name)
     _sign_with_ca(pki, csr.name, ext.name, crt.name)
     return crt, key
 
@@ -504,16 +486,8 @@ class LocalCluster:
         if name not in self.commands:
             raise ClusterError(f"no component {name!r}; components: {', '.join(self.commands)}")
         proc = self.processes.pop(name, None)
-        if proc is None or proc.poll() is not None:
-            return
-        with contextlib.suppress(ProcessLookupError):
-            os.killpg(proc.pid, sig)
-        try:
-            proc.wait(timeout=timeout)
-        except subprocess.TimeoutExpired:
-            with contextlib.suppress(ProcessLookupError):
-                os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait()
+        if proc is not None:
+            stop_group(proc, timeout, sig)
 
     def start_component(self, name: str, timeout: float = 120.0) -> None:
         """Start a component stopped by :meth:`stop_component` again, with the same command
@@ -534,18 +508,7 @@ class LocalCluster:
         self.start_component(name)
 
     def stop(self) -> None:
-        for name in reversed(list(self.processes)):
-            proc = self.processes[name]
-            if proc.poll() is None:
-                with contextlib.suppress(ProcessLookupError):
-                    os.killpg(proc.pid, signal.SIGTERM)
-        for proc in self.processes.values():
-            try:
-                proc.wait(timeout=15)
-            except subprocess.TimeoutExpired:
-                with contextlib.suppress(ProcessLookupError):
-                    os.killpg(proc.pid, signal.SIGKILL)
-                proc.wait()
+        stop_groups(reversed(list(self.processes.values())), timeout=15)
         self.processes.clear()
 
     def __enter__(self) -> LocalCluster:

@@ -37,7 +37,6 @@ import json
 import os
 import re
 import shutil
-import signal
 import socket
 import subprocess
 import sys
@@ -58,6 +57,7 @@ import yaml
 from batchpilot_localdev import free_port
 from batchpilot_localdev.cluster import REPO_ROOT, wait_established
 from batchpilot_localdev.load import Endpoint
+from batchpilot_localdev.procgroup import stop_groups
 from batchpilot_operator.children import LABEL_POLICY, LABEL_TRACK
 
 DEFAULT_BIN_DIR = REPO_ROOT / ".cache" / "contour-bin"
@@ -447,17 +447,7 @@ class LocalGateway:
         return None
 
     def stop(self) -> None:
-        for proc in reversed(list(self.procs.values())):
-            if proc.poll() is None:
-                with contextlib.suppress(ProcessLookupError):
-                    os.killpg(proc.pid, signal.SIGTERM)
-        for proc in self.procs.values():
-            try:
-                proc.wait(timeout=10)
-            except subprocess.TimeoutExpired:
-                with contextlib.suppress(ProcessLookupError):
-                    os.killpg(proc.pid, signal.SIGKILL)
-                proc.wait()
+        stop_groups(reversed(list(self.procs.values())), timeout=10)
         self.proxy.stop()
         shutil.rmtree(self.admin_dir, ignore_errors=True)
 

@@ -14,10 +14,8 @@ endpoints: uniformly per pod, so the canary's share follows its share of pods.
 
 from __future__ import annotations
 
-import contextlib
 import json
 import os
-import signal
 import subprocess
 import sys
 import threading
@@ -31,6 +29,7 @@ from kubernetes import client, config
 
 from batchpilot_localdev import free_port, podnet
 from batchpilot_localdev.cluster import POD_ROUTES
+from batchpilot_localdev.procgroup import stop_group, stop_groups
 from batchpilot_localdev.prometheus import PrometheusServer, ScrapeTarget
 from batchpilot_operator.children import CONFIG_KEY, LABEL_ENVIRONMENT, LABEL_POLICY, LABEL_REVISION, LABEL_TRACK
 
@@ -104,18 +103,7 @@ class RuntimeHarness:
             # SIGTERM all first, then wait: each drains on its own, in parallel.
             procs = list(self.procs.values())
             self.procs.clear()
-            for p in procs:
-                if p.proc.poll() is None:
-                    with contextlib.suppress(ProcessLookupError):
-                        os.killpg(p.proc.pid, signal.SIGTERM)
-            deadline = time.monotonic() + 20
-            for p in procs:
-                try:
-                    p.proc.wait(timeout=max(0.1, deadline - time.monotonic()))
-                except subprocess.TimeoutExpired:
-                    with contextlib.suppress(ProcessLookupError):
-                        os.killpg(p.proc.pid, signal.SIGKILL)
-                    p.proc.wait()
+            stop_groups((p.proc for p in procs), timeout=20)
             self._write_targets()
 
     def __enter__(self) -> RuntimeHarness:
@@ -210,15 +198,7 @@ class RuntimeHarness:
         proc = self.procs.pop(name)
         if self.routes is not None and proc.pod_ip and proc.pod_port:
             podnet.remove_route(self.routes, proc.pod_ip, proc.pod_port)
-        if proc.proc.poll() is None:
-            with contextlib.suppress(ProcessLookupError):
-                os.killpg(proc.proc.pid, signal.SIGTERM)
-            try:
-                proc.proc.wait(timeout=20)
-            except subprocess.TimeoutExpired:
-                with contextlib.suppress(ProcessLookupError):
-                    os.killpg(proc.proc.pid, signal.SIGKILL)
-                proc.proc.wait()
+        stop_group(proc.proc, timeout=20)
 
     @staticmethod
     def _probe(proc: RuntimeProcess) -> bool:

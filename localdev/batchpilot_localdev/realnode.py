@@ -62,6 +62,7 @@ from batchpilot_localdev.cluster import (
     make_node_credentials,
     write_cert_kubeconfig,
 )
+from batchpilot_localdev.procgroup import stop_group
 from batchpilot_localdev.prometheus import KubernetesSD, PrometheusServer
 from batchpilot_operator.children import LABEL_POLICY, LABEL_REVISION, LABEL_TRACK, RUNTIME_PORT
 
@@ -608,16 +609,8 @@ class RealNode:
 
     def _stop_process(self, name: str, timeout: float = 15.0) -> None:
         proc = self.processes.pop(name, None)
-        if proc is None or proc.poll() is not None:
-            return
-        with contextlib.suppress(ProcessLookupError):
-            os.killpg(proc.pid, signal.SIGTERM)
-        try:
-            proc.wait(timeout=timeout)
-        except subprocess.TimeoutExpired:
-            with contextlib.suppress(ProcessLookupError):
-                os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait()
+        if proc is not None:
+            stop_group(proc, timeout)
 
     def stop(self) -> list[str]:
         """Stop the kubelet, every container (SIGKILL), containerd; then undo the host's set-up:
