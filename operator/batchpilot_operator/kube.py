@@ -179,6 +179,17 @@ class Kube:
         objs = self._resource(api_version, kind).get(namespace=namespace, label_selector=f"{LABEL_POLICY}={policy}")
         return [item.to_dict() for item in objs.items]
 
+    def _server_side_apply(self, resource: Any, body: Manifest) -> Any:
+        """Server-side apply ``body`` (in its namespace) as the ``batchpilot`` field manager,
+        taking over fields another manager holds; the object as written."""
+        return self.dyn.server_side_apply(
+            resource,
+            body=body,
+            namespace=body["metadata"]["namespace"],
+            field_manager=FIELD_MANAGER,
+            force_conflicts=True,
+        )
+
     def apply(self, manifest: Manifest, current: Manifest | None) -> bool:
         """Server-side apply ``manifest`` unless ``current`` already carries its hash.
 
@@ -188,13 +199,7 @@ class Kube:
             return False
         resource = self._resource(manifest["apiVersion"], manifest["kind"])
         try:
-            written = self.dyn.server_side_apply(
-                resource,
-                body=manifest,
-                namespace=manifest["metadata"]["namespace"],
-                field_manager=FIELD_MANAGER,
-                force_conflicts=True,
-            )
+            written = self._server_side_apply(resource, manifest)
         except UnprocessibleEntityError as exc:
             if manifest["kind"] == "ConfigMap" and manifest.get("immutable") and current is not None:
                 # An immutable ConfigMap of the same name: revisions are content hashes, so
@@ -213,13 +218,7 @@ class Kube:
         in ``body`` makes it conditional: a concurrent change is a conflict, retried later."""
         resource = self._resource(body["apiVersion"], body["kind"])
         try:
-            written = self.dyn.server_side_apply(
-                resource,
-                body=body,
-                namespace=body["metadata"]["namespace"],
-                field_manager=FIELD_MANAGER,
-                force_conflicts=True,
-            )
+            written = self._server_side_apply(resource, body)
         except (ConflictError, UnprocessibleEntityError, ApiException) as exc:
             raise TransientKubeError(f"applying {body['kind']} {body['metadata']['name']}: {exc}") from exc
         result: Manifest = written.to_dict()
