@@ -10,6 +10,7 @@ from prometheus_client import Counter, Gauge
 if TYPE_CHECKING:
     from batchpilot_operator.rollout import Decision
     from batchpilot_operator.spec import PolicySpec
+    from batchpilot_operator.status import Condition
 
 ROLLOUTS = Counter(
     "batchpilot_operator_rollouts_total",
@@ -121,29 +122,26 @@ def record(namespace: str, policy: str, spec: PolicySpec, decision: Decision) ->
         LANE_SLO.labels(namespace, policy, lane.name, "p99Latency").set(slo.p99_latency)
         LANE_SLO.labels(namespace, policy, lane.name, "maxQueueAge").set(slo.max_queue_age)
         LANE_MAX_ERROR_RATIO.labels(namespace, policy, lane.name).set(slo.max_error_rate)
-    stalled = status.condition("Stalled")
-    reason = stalled.reason if stalled is not None and stalled.status == "True" else None
-    for (ns, pol, known), _ in _stalled_series(namespace, policy):
-        if known != reason:
-            STALLED.labels(ns, pol, known).set(0)
+    _set_reason(STALLED, namespace, policy, status.condition("Stalled"))
+    _set_reason(DEGRADED, namespace, policy, status.condition("Degraded"))
+
+
+def _set_reason(gauge: Gauge, namespace: str, policy: str, condition: Condition | None) -> None:
+    """A condition's reason gauge: 1 for its reason while it is True, 0 for the policy's others."""
+    reason = condition.reason if condition is not None and condition.status == "True" else None
+    for labels in _series(gauge, namespace, policy):
+        if labels["reason"] != reason:
+            gauge.labels(namespace, policy, labels["reason"]).set(0)
     if reason:
-        STALLED.labels(namespace, policy, reason).set(1)
-    degraded = status.condition("Degraded")
-    degraded_reason: str | None = degraded.reason if degraded is not None and degraded.status == "True" else None
-    for family in DEGRADED.collect():
-        for s in family.samples:
-            mine = s.labels.get("namespace") == namespace and s.labels.get("policy") == policy
-            if mine and s.labels["reason"] != degraded_reason:
-                DEGRADED.labels(namespace, policy, s.labels["reason"]).set(0)
-    if degraded_reason:
-        DEGRADED.labels(namespace, policy, degraded_reason).set(1)
+        gauge.labels(namespace, policy, reason).set(1)
 
 
-def _stalled_series(namespace: str, policy: str) -> list[tuple[tuple[str, str, str], float]]:
+def _series(metric: Gauge, namespace: str, policy: str) -> list[dict[str, str]]:
+    """The labels of each of the policy's series of ``metric``."""
     return [
-        ((s.labels["namespace"], s.labels["policy"], s.labels["reason"]), s.value)
-        for metric in STALLED.collect()
-        for s in metric.samples
+        s.labels
+        for family in metric.collect()
+        for s in family.samples
         if s.labels.get("namespace") == namespace and s.labels.get("policy") == policy
     ]
 
@@ -151,11 +149,9 @@ def _stalled_series(namespace: str, policy: str) -> list[tuple[tuple[str, str, s
 def forget(namespace: str, policy: str) -> None:
     """Drop a deleted policy's gauges."""
     for gauge in (LANE_SLO, LANE_MAX_ERROR_RATIO, STALLED, SETTINGS_STALE, DEGRADED):
-        for metric in gauge.collect():
-            for sample in metric.samples:
-                if sample.labels.get("namespace") == namespace and sample.labels.get("policy") == policy:
-                    with contextlib.suppress(KeyError):
-                        gauge.remove(*sample.labels.values())
+        for labels in _series(gauge, namespace, policy):
+            with contextlib.suppress(KeyError):
+                gauge.remove(*labels.values())
     with contextlib.suppress(KeyError):
         CANARY_WEIGHT.remove(namespace, policy)
     for phase in PHASES:

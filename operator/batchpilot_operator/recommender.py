@@ -36,7 +36,7 @@ from typing import Any, Final
 
 from batchpilot_operator import opmetrics
 from batchpilot_operator.spec import PolicySpec
-from batchpilot_operator.status import Condition, Recommendation, Status
+from batchpilot_operator.status import ConditionStatus, Recommendation, Status
 from batchpilot_runtime.config import format_duration
 
 log = logging.getLogger(__name__)
@@ -90,6 +90,7 @@ def refresh(
     rec = _recommend(spec, namespace, name, now, gather, prior)
     out = status.model_copy(deep=True)
     out.recommendation = rec
+    cond_status: ConditionStatus
     if rec.reason == UNKNOWN:
         cond_status, reason = "Unknown", UNKNOWN
     elif rec.stale:
@@ -97,7 +98,7 @@ def refresh(
     else:
         cond_status, reason = "False", CURRENT
     previous = status.condition(CONDITION)
-    _set_condition(out, cond_status, reason, rec.message, meta.get("generation", 0), now)
+    out.set_condition(CONDITION, cond_status, reason, rec.message[:1000], meta.get("generation", 0), now)
     if cond_status == "True" and (previous is None or previous.status != "True" or previous.reason != reason):
         emit("Warning", CONDITION, rec.message)
     lanes = {lane["lane"]: lane["reasons"][0] for lane in rec.lanes if lane.get("stale") and lane.get("reasons")}
@@ -184,31 +185,6 @@ def _recommend(
         lanes=lanes,
         failed=result.failed,
         patch=result.patch,
-    )
-
-
-def _set_condition(status: Status, cond_status: Any, reason: str, message: str, generation: int, now: datetime) -> None:
-    for i, cond in enumerate(status.conditions):
-        if cond.type == CONDITION:
-            transition = cond.last_transition_time if cond.status == cond_status else now
-            status.conditions[i] = Condition(
-                type=CONDITION,
-                status=cond_status,
-                reason=reason,
-                message=message[:1000],
-                last_transition_time=transition,
-                observed_generation=generation,
-            )
-            return
-    status.conditions.append(
-        Condition(
-            type=CONDITION,
-            status=cond_status,
-            reason=reason,
-            message=message[:1000],
-            last_transition_time=now,
-            observed_generation=generation,
-        )
     )
 
 

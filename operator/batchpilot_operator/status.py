@@ -347,6 +347,32 @@ class Status(_Model):
                 return cond
         return None
 
+    def set_condition(
+        self,
+        type_: ConditionType,
+        status: ConditionStatus,
+        reason: str,
+        message: str,
+        generation: int,
+        now: datetime,
+    ) -> None:
+        """Set condition ``type_`` (in its place, or added last); its lastTransitionTime is
+        ``now`` unless it had this status already."""
+        at = next((i for i, cond in enumerate(self.conditions) if cond.type == type_), None)
+        kept = at is not None and self.conditions[at].status == status
+        condition = Condition(
+            type=type_,
+            status=status,
+            reason=reason,
+            message=message,
+            last_transition_time=self.conditions[at].last_transition_time if kept and at is not None else now,
+            observed_generation=generation,
+        )
+        if at is None:
+            self.conditions.append(condition)
+        else:
+            self.conditions[at] = condition
+
     def is_failed(self, revision: str) -> bool:
         return any(f.revision == revision for f in self.failed_revisions)
 
