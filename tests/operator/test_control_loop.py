@@ -67,8 +67,8 @@ def status_of(kube: Kube, namespace: str) -> dict[str, Any]:
     return ((kube.get("batchingpolicy", "ranker", namespace) or {}).get("status")) or {}
 
 
-def settle(kube: Kube, namespace: str, op: OperatorProcess) -> None:
-    """Healthy, both stable pods ready, and the operator has nothing queued or due."""
+def healthy_and_ready(kube: Kube, namespace: str) -> None:
+    """Healthy, both stable pods ready."""
     kube.wait_for(lambda: status_of(kube, namespace).get("phase") == "Healthy", 90, "phase Healthy")
     kube.wait_for(
         lambda: (
@@ -82,6 +82,11 @@ def settle(kube: Kube, namespace: str, op: OperatorProcess) -> None:
         90,
         "2 ready stable pods",
     )
+
+
+def settle(kube: Kube, namespace: str, op: OperatorProcess) -> None:
+    """Healthy, both stable pods ready, and the operator has nothing queued or due."""
+    healthy_and_ready(kube, namespace)
     kube.wait_for(
         lambda: (
             status_of(kube, namespace).get("conditions")
@@ -104,19 +109,7 @@ def test_idle_policy_makes_no_api_reads(kube: Kube, namespace: str, tmp_path: Pa
     op = start_operator(kube, namespace, tmp_path, NO_PROMETHEUS, resync=1.0, env={"BATCHPILOT_IDENTITY": identity})
     try:
         kube.apply(POLICY, "-n", namespace)
-        kube.wait_for(lambda: status_of(kube, namespace).get("phase") == "Healthy", 90, "phase Healthy")
-        kube.wait_for(
-            lambda: (
-                int(
-                    (((kube.get("deployment", "ranker-stable", namespace) or {}).get("status")) or {}).get(
-                        "readyReplicas", 0
-                    )
-                )
-                == 2
-            ),
-            90,
-            "2 ready stable pods",
-        )
+        healthy_and_ready(kube, namespace)
         idle = lambda: op.metric("batchpilot_operator_reconciles_total", namespace=namespace, wrote="false")  # noqa: E731
         kube.wait_for(lambda: idle() >= 1, 60, "a reconcile that wrote nothing")
         start_idle, start_reads = idle(), op.metric("batchpilot_operator_api_requests_total", verb="GET")
