@@ -4,11 +4,13 @@ from __future__ import annotations
 
 import math
 import random
+from collections.abc import Iterator, Sequence
 
 import pytest
 
 from batchpilot_operator.tune.simulator import (
     LaneSettings,
+    SimResult,
     Targets,
     allowed_misses,
     front_end,
@@ -161,22 +163,41 @@ def _random_case(rng: random.Random) -> tuple[list[float], LaneSettings, list[fl
     return arrivals, settings, table, rng.choice([1, 2, 3])
 
 
-def test_fast_and_exact_engines_agree_and_meets_slo_matches_quantiles() -> None:
-    rng = random.Random(1)
-    for _ in range(250):
+Run = tuple[list[float], LaneSettings, list[float], int, dict[str, float], SimResult, SimResult]
+
+
+def _random_runs(seed: int, n: int, option: str | None = None, values: Sequence[float] = ()) -> Iterator[Run]:
+    """``n`` random cases, each simulated by both engines, with ``option`` (a keyword argument of
+    both) drawn from ``values`` after the case: (arrivals, settings, table, replicas, the
+    options, the fast engine's result, the exact one's)."""
+    rng = random.Random(seed)
+    for _ in range(n):
         arrivals, settings, table, replicas = _random_case(rng)
-        fast = simulate(arrivals, settings, table, replicas=replicas)
-        exact = simulate_exact(arrivals, settings, table, replicas=replicas)
+        options = {option: rng.choice(values)} if option else {}
+        fast = simulate(arrivals, settings, table, replicas=replicas, **options)
+        exact = simulate_exact(arrivals, settings, table, replicas=replicas, **options)
+        yield arrivals, settings, table, replicas, options, fast, exact
+
+
+def _meets_slo_agrees(run: Run, ages: Sequence[float]) -> None:
+    """meets_slo, at targets off the simulation's time grid (so that no float tie decides a
+    verdict), says what the exact engine's quantiles say."""
+    arrivals, settings, table, replicas, options, _, exact = run
+    parts = split_arrivals(arrivals, replicas)
+    for lat in (0.00313, 0.0103, 0.0513):
+        for age in ages:
+            want = exact.latency_quantile() <= lat and exact.queue_age_quantile() <= age
+            assert meets_slo(parts, settings, table, Targets(lat, age), **options) == want
+
+
+def test_fast_and_exact_engines_agree_and_meets_slo_matches_quantiles() -> None:
+    for run in _random_runs(1, 250):
+        *_, fast, exact = run
         assert sorted(fast.latencies) == sorted(exact.latencies)
         assert sorted(fast.queue_waits) == sorted(exact.queue_waits)
         assert sorted(fast.batch_sizes) == sorted(exact.batch_sizes)
         assert (fast.dropped, fast.timeouts) == (exact.dropped, exact.timeouts)
-        parts = split_arrivals(arrivals, replicas)
-        # Targets off the simulation's time grid, so no float tie decides a verdict.
-        for lat in (0.00313, 0.0103, 0.0513):
-            for age in (0.00107, 0.0217):
-                want = exact.latency_quantile() <= lat and exact.queue_age_quantile() <= age
-                assert meets_slo(parts, settings, table, Targets(lat, age)) == want
+        _meets_slo_agrees(run, ages=(0.00107, 0.0217))
 
 
 @pytest.mark.parametrize("engine", [simulate, simulate_exact])
@@ -188,19 +209,12 @@ def test_exec_scale_multiplies_each_batch_in_turn(engine: object) -> None:
 
 
 def test_engines_agree_with_a_dispatch_delay() -> None:
-    rng = random.Random(2)
-    for _ in range(150):
-        arrivals, settings, table, replicas = _random_case(rng)
-        delay = rng.choice([0.0003, 0.0011, 0.004])
-        fast = simulate(arrivals, settings, table, replicas=replicas, dispatch_delay=delay)
-        exact = simulate_exact(arrivals, settings, table, replicas=replicas, dispatch_delay=delay)
+    for run in _random_runs(2, 150, "dispatch_delay", [0.0003, 0.0011, 0.004]):
+        *_, fast, exact = run
         assert sorted(fast.latencies) == pytest.approx(sorted(exact.latencies))
         assert sorted(fast.batch_sizes) == sorted(exact.batch_sizes)
         assert (fast.dropped, fast.timeouts) == (exact.dropped, exact.timeouts)
-        parts = split_arrivals(arrivals, replicas)
-        for lat in (0.00313, 0.0103, 0.0513):
-            want = exact.latency_quantile() <= lat and exact.queue_age_quantile() <= 0.0217
-            assert meets_slo(parts, settings, table, Targets(lat, 0.0217), dispatch_delay=delay) == want
+        _meets_slo_agrees(run, ages=(0.0217,))
 
 
 @pytest.mark.parametrize("engine", [simulate, simulate_exact])
@@ -253,21 +267,14 @@ def test_front_end_caps_throughput_at_one_over_its_cost() -> None:
 
 
 def test_engines_and_meets_slo_agree_with_a_front_end() -> None:
-    rng = random.Random(3)
-    for _ in range(150):
-        arrivals, settings, table, replicas = _random_case(rng)
-        cost = rng.choice([0.0002, 0.0009, 0.003])
-        fast = simulate(arrivals, settings, table, replicas=replicas, front_end_cost=cost)
-        exact = simulate_exact(arrivals, settings, table, replicas=replicas, front_end_cost=cost)
+    for run in _random_runs(3, 150, "front_end_cost", [0.0002, 0.0009, 0.003]):
+        arrivals, settings, table, replicas, options, fast, exact = run
+        cost = options["front_end_cost"]
         assert sorted(fast.latencies) == pytest.approx(sorted(exact.latencies))
         assert sorted(fast.queue_waits) == pytest.approx(sorted(exact.queue_waits))
         assert sorted(fast.batch_sizes) == sorted(exact.batch_sizes)
         assert (fast.dropped, fast.timeouts) == (exact.dropped, exact.timeouts)
-        parts = split_arrivals(arrivals, replicas)
-        for lat in (0.00313, 0.0103, 0.0513):
-            for age in (0.00107, 0.0217):
-                want = exact.latency_quantile() <= lat and exact.queue_age_quantile() <= age
-                assert meets_slo(parts, settings, table, Targets(lat, age), front_end_cost=cost) == want
+        _meets_slo_agrees(run, ages=(0.00107, 0.0217))
         if replicas == 1:
             records = simulate_requests(arrivals, settings, table, front_end_cost=cost)
             exact_records = simulate_requests(arrivals, settings, table, front_end_cost=cost, engine="exact")
