@@ -142,14 +142,7 @@ def main() -> int:
     args = ap.parse_args()
     args.pin_cores = list(range(os.cpu_count() or 1)) if benchlib.pin_for_bench(args.pin) else []
     slos = {k: parse_duration(v) for k, v in (x.split("=") for x in args.slo.split(","))}
-    settings_list = []
-    for spec in args.settings.split(","):
-        b, w = spec.split(":")
-        settings_list.append(LaneSettings(int(b), parse_duration(w), 100_000, 30.0))
-    cb, cw = args.current.split(":")
-    current = LaneSettings(int(cb), parse_duration(cw), 100_000, 30.0)
-    if current not in settings_list:
-        raise SystemExit(f"--current {args.current} is not in --settings")
+    settings_list, current = grid.parse_settings(args.settings, args.current)
     started = time.time()
     log("profiling the model in-process with idle gaps (batchpilot profile's way), read by its mean")
     gap = tv.measure_profile(args.source, args.threads, [1, 2, 4, 8, 16, 32, 64], 40, gap=0.01)

@@ -72,6 +72,20 @@ def log(msg: str) -> None:
     print(f"[latency_model_grid {time.strftime('%H:%M:%S')}] {msg}", file=sys.stderr, flush=True)
 
 
+def parse_settings(settings: str, current: str) -> tuple[list[LaneSettings], LaneSettings]:
+    """``--settings B:W,...`` and ``--current B:W`` as lane settings whose queue and timeout
+    never bind (100000 rows, 30 s); the current one must be among the settings."""
+
+    def one(spec: str) -> LaneSettings:
+        b, w = spec.split(":")
+        return LaneSettings(int(b), parse_duration(w), 100_000, 30.0)
+
+    settings_list = [one(spec) for spec in settings.split(",")]
+    if one(current) not in settings_list:
+        raise SystemExit(f"--current {current} is not in --settings")
+    return settings_list, one(current)
+
+
 def traces(n: int, code_start: int) -> dict[str, Trace]:
     code = load_trace(CODE)
     conv = load_trace(CONVERSATION).spread(BUCKET_S, seed=0)
@@ -295,14 +309,7 @@ def main() -> int:
         "hot": tv.measure_profile(args.source, args.threads, sizes, 40, gap=0.0),
     }
     body = benchlib.mlp_body(1)
-    settings_list = []
-    for spec in args.settings.split(","):
-        b, w = spec.split(":")
-        settings_list.append(LaneSettings(int(b), parse_duration(w), 100_000, 30.0))
-    cb, cw = args.current.split(":")
-    current = LaneSettings(int(cb), parse_duration(cw), 100_000, 30.0)
-    if current not in settings_list:
-        raise SystemExit(f"--current {args.current} is not in --settings")
+    settings_list, current = parse_settings(args.settings, args.current)
     loads = [float(x) for x in args.loads.split(",")]
     all_traces = traces(args.requests, args.code_start)
     rows: list[dict[str, Any]] = []
