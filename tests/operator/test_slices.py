@@ -27,6 +27,7 @@ from batchpilot_operator.analysis import (
 )
 from batchpilot_operator.spec import PolicySpec, TenantsSpec
 from batchpilot_operator.status import Status
+from bp_plan import Sim
 from bptest import make_spec
 
 NOW = datetime(2026, 11, 30, 2, 0, tzinfo=UTC)
@@ -328,43 +329,25 @@ def rollout(table: Table, until: float = 600.0) -> list[Status]:
     """The initial revision, then a change rolled out with every analysis judged on ``table``."""
     from datetime import timedelta
 
-    from batchpilot_operator.rollout import (
-        Decision,
-        Observed,
-        PlanInputs,
-        TrackObserved,
-        analysis_due,
-        analysis_target,
-        plan,
-    )
+    from batchpilot_operator.rollout import analysis_due, analysis_target
 
-    old, new = (
-        tenant_spec(),
-        make_spec(batch=16, minSamples=50).model_copy(update={"tenants": TenantsSpec(names=["a", "b"])}),
-    )
-    status, observed, generation = Status(), Observed(), 1
+    sim = Sim(tenant_spec())
+    new = make_spec(batch=16, minSamples=50).model_copy(update={"tenants": TenantsSpec(names=["a", "b"])})
     seen: list[Status] = []
-
-    def converge(d: Decision) -> Observed:
-        canary = TrackObserved(d.canary_revision, d.canary_replicas, d.canary_replicas) if d.canary_revision else None
-        return Observed(stable=TrackObserved(d.stable_revision, d.stable_replicas, d.stable_replicas), canary=canary)
-
     t = 0.0
     while t <= until:
-        spec = old if t < 2 else new
-        generation = 1 if t < 2 else 2
+        if t >= 2 and sim.spec is not new:
+            sim.set_spec(new)
         now = NOW + timedelta(seconds=t)
         result = None
+        status = sim.status
         target = analysis_target(status)
-        if target is not None and analysis_due(spec, status, now):
+        if target is not None and analysis_due(sim.spec, status, now):
             result = run_analysis(
-                SliceBackend(table), spec, policy="chat", namespace="ml", canary_revision=target[0],
+                SliceBackend(table), sim.spec, policy="chat", namespace="ml", canary_revision=target[0],
                 stable_revision=target[1], now=now, history=status.rollout.evidence if status.rollout else None,
             )  # fmt: skip
-        d = plan(
-            PlanInputs(spec=spec, generation=generation, status=status, observed=observed, now=now, analysis=result)
-        )
-        status, observed = d.status, converge(d)
+        status = sim.plan(now, result).status
         seen.append(status.model_copy(deep=True))
         if t >= 2 and status.rollout is None:
             break

@@ -14,23 +14,15 @@ from __future__ import annotations
 
 import copy
 import dataclasses
-import math
 from collections.abc import Sequence
 from dataclasses import dataclass
-from datetime import UTC, datetime, timedelta
+from datetime import datetime
 from typing import Any
 
 import pytest
 
-from batchpilot_operator.analysis import (
-    AnalysisResult,
-    Measurement,
-    format_share,
-    lane_thresholds,
-    plan_queries,
-    promql_window,
-    verdicts,
-)
+import bp_plan
+from batchpilot_operator.analysis import AnalysisResult, Measurement, format_share
 from batchpilot_operator.fairness import (
     comparable_step_after,
     downgrade,
@@ -48,7 +40,6 @@ from batchpilot_operator.rollout import (
     PlanInputs,
     TrackObserved,
     analysis_due,
-    analysis_target,
     plan,
 )
 from batchpilot_operator.spec import PolicySpec, TrafficRouting
@@ -62,44 +53,17 @@ from batchpilot_operator.traffic import (
     route_rules,
     split_for_routing,
 )
+from bp_plan import T0, at
 
-T0 = datetime(2026, 11, 30, 1, 0, 0, tzinfo=UTC)
 PORTS = {"stable": 80, "canary": 80}
-
-
-def at(seconds: float) -> datetime:
-    return T0 + timedelta(seconds=seconds)
 
 
 def measured(
     s: PolicySpec, status: Status, now: datetime, *, p99: float = 0.05, samples: float = 500
 ) -> AnalysisResult:
     """An analysis judged by the real verdict code: the stable at 50 ms, the canary at ``p99``
-    (half its requests over the objective when that breaches)."""
-    target = analysis_target(status)
-    assert target is not None
-    canary, stable = target
-    lqs = plan_queries(s, policy="chat", namespace="ml", canary_revision=canary, stable_revision=stable)
-    ms: dict[str, Measurement] = {}
-    for lq in lqs:
-        thresholds = lane_thresholds(s, lq.lane)
-        lat = p99 if lq.track == "canary" else 0.05
-        for m in lq.metrics:
-            value = {"p99Latency": lat, "queueAge": 0.005, "errorRate": 0.0, "clientErrors": 0.0}[m.metric]
-            ms[m.value] = Measurement(m.value, value=value)
-            ms[m.samples] = Measurement(m.samples, value=samples)
-            if m.metric in ("errorRate", "clientErrors"):
-                ms[m.bad] = Measurement(m.bad, value=0.0)
-            else:
-                k = samples / 2 if value > thresholds[m.metric] else 0.0
-                ms[m.bad] = Measurement(m.bad, buckets=((thresholds[m.metric], samples - k), (math.inf, samples)))
-    return AnalysisResult(
-        time=now,
-        window=promql_window(s.rollout.analysis_interval),
-        canary_revision=canary,
-        stable_revision=stable,
-        lanes=verdicts(s, lqs, ms),
-    )
+    (half its requests over the objective when that breaches), queue age 5 ms on both."""
+    return bp_plan.measured(s, status, now, p99=p99, queue_age=0.005, samples=samples)
 
 
 def spec(lane_window: str = "5ms", **routing: Any) -> PolicySpec:
