@@ -90,6 +90,10 @@ def deprioritize_this_thread(nice: int) -> None:
         log.warning("could not lower the event loop's priority by %d: %s", nice, exc)
 
 
+def _json(doc: Any) -> web.Response:
+    return web.Response(body=orjson.dumps(doc), content_type=JSON)
+
+
 def _json_response(status: int, message: str, headers: dict[str, str] | None = None) -> web.Response:
     return web.Response(status=status, body=error_body(message), content_type=JSON, headers=headers)
 
@@ -229,12 +233,7 @@ class Runtime:
     def _answer_timeout(self, r: Pending) -> None:
         if self.metrics is not None:
             self.metrics.queue_age_of(self.lane_names[r.lane], r.tenant).observe(time.perf_counter() - r.arrival)
-        if not r.future.done():
-            lane = self.cfg.lanes[r.lane]
-            r.future.set_result(
-                (_TIMEOUT, f"request waited longer than lane {lane.name!r} requestTimeout "
-                 f"({lane.request_timeout:g}s) before dispatch; it was not run", 0)
-            )  # fmt: skip
+        self._time_out(r, "waited longer than", " before dispatch; it was not run")
 
     def _on_timer(self, r: Pending) -> None:
         """``requestTimeout`` after arrival: a queued request is withdrawn (never run); one whose
@@ -244,12 +243,16 @@ class Runtime:
         assert self.worker is not None
         if self.worker.withdraw(r, State.TIMED_OUT):
             self._answer_timeout(r)
-        elif not r.future.done():
+        else:
+            self._time_out(r, "did not complete within", ": its batch was still running; the result is discarded")
+
+    def _time_out(self, r: Pending, what: str, then: str) -> None:
+        """Answer ``r`` 504 (unless it is answered already): "request <what> lane L
+        requestTimeout (Ns)<then>"."""
+        if not r.future.done():
             lane = self.cfg.lanes[r.lane]
-            r.future.set_result(
-                (_TIMEOUT, f"request did not complete within lane {lane.name!r} requestTimeout "
-                 f"({lane.request_timeout:g}s): its batch was still running; the result is discarded", 0)
-            )  # fmt: skip
+            why = f"request {what} lane {lane.name!r} requestTimeout ({lane.request_timeout:g}s){then}"
+            r.future.set_result((_TIMEOUT, why, 0))
 
     # -- handlers ------------------------------------------------------------------------------
     async def live(self, request: web.Request) -> web.Response:
@@ -265,7 +268,7 @@ class Runtime:
 
     async def server_meta(self, request: web.Request) -> web.Response:
         doc = {"name": SERVER_NAME, "version": __version__, "extensions": list(EXTENSIONS)}
-        return web.Response(body=orjson.dumps(doc), content_type=JSON)
+        return _json(doc)
 
     def _check_model(self, request: web.Request) -> web.Response | None:
         name = request.match_info["name"]
@@ -280,21 +283,26 @@ class Runtime:
             )
         return None
 
-    async def model_meta(self, request: web.Request) -> web.Response:
+    def _loaded_model(self, request: web.Request) -> ServedModel | web.Response:
+        """The model the request names, or the answer: 404 (:meth:`_check_model`), 503 while it loads."""
         bad = self._check_model(request)
         if bad is not None:
             return bad
-        if self.model is None:
-            return _json_response(503, "model is loading")
+        return self.model if self.model is not None else _json_response(503, "model is loading")
+
+    async def model_meta(self, request: web.Request) -> web.Response:
+        model = self._loaded_model(request)
+        if isinstance(model, web.Response):
+            return model
         doc = {
             "name": self.cfg.model.name,
             "versions": [self.cfg.revision],
             "platform": "pytorch",
-            "inputs": [self.model.input.as_json()],
-            "outputs": [self.model.output.as_json()],
+            "inputs": [model.input.as_json()],
+            "outputs": [model.output.as_json()],
             "parameters": {
                 "source": self.cfg.model.source,
-                "device": self.model.device_name,
+                "device": model.device_name,
                 "dtype": self.cfg.model.dtype,
                 "revision": self.cfg.revision,
                 "track": self.track,
@@ -304,15 +312,13 @@ class Runtime:
                 "runtime_version": __version__,
             },
         }
-        return web.Response(body=orjson.dumps(doc), content_type=JSON)
+        return _json(doc)
 
     async def model_config(self, request: web.Request) -> web.Response:
         """The model configuration extension, in Triton's shape (dims without the batch dim)."""
-        bad = self._check_model(request)
-        if bad is not None:
-            return bad
-        if self.model is None:
-            return _json_response(503, "model is loading")
+        model = self._loaded_model(request)
+        if isinstance(model, web.Response):
+            return model
         default = self.cfg.lane(self.default_lane)
 
         def tensor(spec: TensorSpec) -> dict[str, Any]:
@@ -323,8 +329,8 @@ class Runtime:
             "platform": "pytorch",
             "backend": SERVER_NAME,
             "max_batch_size": max(lane.max_batch_size for lane in self.cfg.lanes),
-            "input": [tensor(self.model.input)],
-            "output": [tensor(self.model.output)],
+            "input": [tensor(model.input)],
+            "output": [tensor(model.output)],
             "dynamic_batching": {
                 "max_queue_delay_microseconds": round(default.max_queue_delay * 1e6),
                 "default_queue_policy": {
@@ -339,7 +345,7 @@ class Runtime:
                 "lanes": {"string_value": ",".join(self.lane_names)},
             },
         }
-        return web.Response(body=orjson.dumps(doc), content_type=JSON)
+        return _json(doc)
 
     @staticmethod
     def not_implemented(extension: str) -> Callable[[web.Request], Awaitable[web.Response]]:
