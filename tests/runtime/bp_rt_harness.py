@@ -74,6 +74,15 @@ def parse_metrics(text: str) -> list[tuple[str, dict[str, str], float]]:
     return out
 
 
+def fetch(request: str | urllib.request.Request) -> tuple[int, bytes]:
+    """Send ``request`` (a URL: a GET); its status and body, an error's too."""
+    try:
+        with urllib.request.urlopen(request, timeout=10) as r:
+            return r.status, r.read()
+    except urllib.error.HTTPError as e:
+        return e.code, e.read()
+
+
 class Server:
     """A runtime server subprocess on 127.0.0.1 with the test models on its import path."""
 
@@ -128,11 +137,7 @@ class Server:
             return False
 
     def get(self, path: str) -> tuple[int, bytes]:
-        try:
-            with urllib.request.urlopen(self.url + path, timeout=10) as r:
-                return r.status, r.read()
-        except urllib.error.HTTPError as e:
-            return e.code, e.read()
+        return fetch(self.url + path)
 
     def metrics(self) -> list[tuple[str, dict[str, str], float]]:
         status, body = self.get("/metrics")
@@ -169,6 +174,12 @@ class Server:
                 self.proc.kill()
                 self.proc.wait(5)
         self._stderr.close()
+
+    def __enter__(self) -> Server:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
 
 
 def rows(markers: list[float], width: int = 512) -> list[list[float]]:

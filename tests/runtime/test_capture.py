@@ -357,10 +357,8 @@ def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
         srv = Server(tmp_path_factory.mktemp("rt-capture"), LANES, extra={"revision": "rev-cap"})
     finally:
         del os.environ["BATCHPILOT_ARRIVAL_CAPACITY"]
-    try:
+    with srv:
         yield srv
-    finally:
-        srv.stop()
 
 
 def get_json(srv: Server, path: str) -> tuple[int, Any]:

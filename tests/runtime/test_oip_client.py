@@ -21,7 +21,7 @@ import pytest
 import torch
 import tritonclient.http as httpclient
 import tritonclient.http.aio as aioclient
-from bp_rt_harness import Server, lane
+from bp_rt_harness import Server, fetch, lane
 from tritonclient.utils import InferenceServerException
 
 from batchpilot_runtime import __version__
@@ -33,11 +33,8 @@ REVISION = "rev-test"  # the harness's config revision: the model's only version
 
 @pytest.fixture(scope="module")
 def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
-    srv = Server(tmp_path_factory.mktemp("oip"), [lane("interactive", 8, "1ms", 64, "20s")])
-    try:
+    with Server(tmp_path_factory.mktemp("oip"), [lane("interactive", 8, "1ms", 64, "20s")]) as srv:
         yield srv
-    finally:
-        srv.stop()
 
 
 @pytest.fixture(scope="module")
@@ -234,12 +231,9 @@ def test_unknown_v2_path_answers_json_404(server: Server) -> None:
     assert status == 404
     assert "is not an endpoint of batchpilot-runtime" in json.loads(raw)["error"]
     req = urllib.request.Request(server.url + "/v2/nothing/here", method="DELETE")
-    try:
-        urllib.request.urlopen(req, timeout=10)
-        raise AssertionError("expected 404")
-    except urllib.error.HTTPError as e:
-        assert e.code == 404
-        assert "DELETE /v2/nothing/here" in json.loads(e.read())["error"]
+    status, raw = fetch(req)
+    assert status == 404
+    assert "DELETE /v2/nothing/here" in json.loads(raw)["error"]
 
 
 async def test_asyncio_client(server: Server, tmp_path: Path) -> None:

@@ -19,9 +19,8 @@ pytestmark = pytest.mark.runtime_server
 @pytest.fixture
 def server(tmp_path: Path) -> Iterator[Server]:
     lanes = [lane("short", 1, "1ms", 1, "1s"), lane("full", 1, "1ms", 1, "20s"), lane("other", 1, "1ms", 10, "20s")]
-    srv = Server(tmp_path, lanes)
-    yield srv
-    srv.stop()
+    with Server(tmp_path, lanes) as srv:
+        yield srv
 
 
 async def test_running_request_is_answered_504_at_its_deadline(server: Server) -> None:

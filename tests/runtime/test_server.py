@@ -34,17 +34,8 @@ LANES = [
 
 @pytest.fixture(scope="module")
 def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
-    srv = Server(tmp_path_factory.mktemp("rt"), LANES, extra={"defaultLane": "background"})
-    try:
+    with Server(tmp_path_factory.mktemp("rt"), LANES, extra={"defaultLane": "background"}) as srv:
         yield srv
-    finally:
-        srv.stop()
-
-
-@pytest.fixture
-async def session() -> Any:
-    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=60)) as s:
-        yield s
 
 
 async def start_blocker(session: aiohttp.ClientSession, srv: Server, marker: int = 1) -> asyncio.Task[Any]:

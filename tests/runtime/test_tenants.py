@@ -10,7 +10,6 @@ from __future__ import annotations
 from collections.abc import Iterator
 from typing import Any
 
-import aiohttp
 import pytest
 from bp_rt_harness import Server, body, infer, lane
 from pydantic import ValidationError
@@ -22,17 +21,10 @@ LANES = [lane("small", 4, "1ms", 50, "20s")]
 
 @pytest.fixture(scope="module")
 def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
-    srv = Server(tmp_path_factory.mktemp("rt"), LANES, extra={"tenants": {"names": ["a", "b"], "header": "X-Client"}})
-    try:
+    with Server(
+        tmp_path_factory.mktemp("rt"), LANES, extra={"tenants": {"names": ["a", "b"], "header": "X-Client"}}
+    ) as srv:
         yield srv
-    finally:
-        srv.stop()
-
-
-@pytest.fixture
-async def session() -> Any:
-    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=60)) as s:
-        yield s
 
 
 def with_tenant(markers: list[float], tenant: str) -> dict[str, Any]:
