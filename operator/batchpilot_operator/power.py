@@ -40,7 +40,7 @@ same treatment without a histogram: the smallest canary error share E that the r
 the same counts of the same tally, against the stable's error share of the window
 (:func:`detectable_error_rate`). A queue shedding 2% against a 1% budget is caught from one
 tally when E <= 2%; where the traffic is too thin or too bursty, the status says so before it
-matters. The bare functions default to the expected counts (``power`` 0.5, ``burstiness`` 0), the
+matters. A bare :class:`Tally` is of the expected counts (``power`` 0.5, ``burstiness`` 0), the
 rule's own threshold, which ``tests/operator/test_power.py`` checks against the
 verdict; the lane's statements (:func:`lane_detectable_regression`,
 :func:`lane_detectable_error_rate`) use :data:`POWER` and the measured burstiness.
@@ -49,7 +49,8 @@ verdict; the lane's statements (:func:`lane_detectable_regression`,
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from statistics import NormalDist
 
 from batchpilot_operator.analysis import SHARED_BREACH_RATIO, SLICES, TALLY_ANALYSES, MetricCheck
@@ -63,164 +64,116 @@ POWER = 0.95
 canary's count at its 5th percentile fails), not the threshold a canary meets half the time."""
 
 
-def detects(
-    buckets: Sequence[tuple[float, float]],
-    slo: float,
-    factor: float,
-    *,
-    canary_requests: float,
-    stable_requests: float,
-    confidence: float,
-    budget: float,
-    power: float = 0.5,
-    burstiness: float = 0.0,
-    subwindows: int = 1,
-) -> bool:
+@dataclass(frozen=True)
+class Tally:
+    """The counts the verdict's rule is applied to: a tally's requests on each track, the rule's
+    ``confidence`` and the objective's ``budget``. With ``power`` 0.5 and ``burstiness`` 0 the
+    counts are the expected ones (the rule's own threshold: a canary there fails about half the
+    time); ``power`` takes the canary's count at that probability instead, and ``burstiness``
+    (:func:`stats.burst_variance`, over a tally of ``subwindows`` sub-windows) discounts each
+    track's requests for their bursts (:func:`fails`)."""
+
+    canary_requests: float
+    stable_requests: float
+    confidence: float
+    budget: float
+    power: float = 0.5
+    burstiness: float = 0.0
+    subwindows: int = 1
+
+
+def detects(buckets: Sequence[tuple[float, float]], slo: float, factor: float, tally: Tally) -> bool:
     """Whether the verdict fails a canary whose latencies are the stable's times ``factor``
-    (the counts of :func:`fails` over ``canary_requests`` and ``stable_requests``)."""
+    (the counts of :func:`fails` over the ``tally``)."""
     total = max(b[1] for b in buckets)
     if total <= 0:
         return False
     p_stable = count_above(buckets, slo) / total
     p_canary = count_above(buckets, slo / factor) / total
-    return fails(
-        p_canary,
-        p_stable,
-        canary_requests=canary_requests,
-        stable_requests=stable_requests,
-        confidence=confidence,
-        budget=budget,
-        power=power,
-        burstiness=burstiness,
-        subwindows=subwindows,
-    )
+    return fails(p_canary, p_stable, tally)
 
 
-def fails(
-    p_canary: float,
-    p_stable: float,
-    *,
-    canary_requests: float,
-    stable_requests: float,
-    confidence: float,
-    budget: float,
-    power: float = 0.5,
-    burstiness: float = 0.0,
-    subwindows: int = 1,
-) -> bool:
+def fails(p_canary: float, p_stable: float, tally: Tally) -> bool:
     """The verdict's rule on the counts a canary whose share of bad events is ``p_canary``
     gives, against the stable's ``p_stable``: over the budget and worse than the stable, each
     with ``confidence``; twice the stable's share when the stable breaches too.
 
-    With ``power`` 0.5 and ``burstiness`` 0 the counts are the expected ones (the rule's own
-    threshold: a canary there fails about half the time). ``power`` takes the canary's count
-    at that probability instead (the verdict fails it at least that often; normal
-    approximation), and ``burstiness`` (:func:`stats.burst_variance`, over a tally of
-    ``subwindows`` sub-windows) counts each track's requests as the ``n / D`` independent ones
-    its bursts are worth to the sub-window test (:func:`stats.design_effect`)."""
-    if canary_requests <= 0 or stable_requests <= 0:
+    ``power`` other than 0.5 takes the canary's count at that probability (the verdict fails it
+    at least that often; normal approximation), and ``burstiness`` counts each track's requests
+    as the ``n / D`` independent ones its bursts are worth to the sub-window test
+    (:func:`stats.design_effect`)."""
+    t = tally
+    if t.canary_requests <= 0 or t.stable_requests <= 0:
         return False
-    subs = max(1, subwindows)
-    n_c = canary_requests / design_effect(burstiness, p_canary, canary_requests / subs)
-    n_s = stable_requests / design_effect(burstiness, p_stable, stable_requests / subs)
-    spread = NormalDist().inv_cdf(power) * math.sqrt(n_c * p_canary * (1.0 - p_canary)) if power != 0.5 else 0.0
+    subs = max(1, t.subwindows)
+    n_c = t.canary_requests / design_effect(t.burstiness, p_canary, t.canary_requests / subs)
+    n_s = t.stable_requests / design_effect(t.burstiness, p_stable, t.stable_requests / subs)
+    spread = NormalDist().inv_cdf(t.power) * math.sqrt(n_c * p_canary * (1.0 - p_canary)) if t.power != 0.5 else 0.0
     k_c = max(0.0, p_canary * n_c - spread)
     share = k_c / n_c
-    if share <= budget or 1.0 - binomial_sf(k_c, n_c, budget) < confidence:
+    if share <= t.budget or 1.0 - binomial_sf(k_c, n_c, t.budget) < t.confidence:
         return False  # over the budget with the confidence, as the verdict requires
-    if p_stable > budget and share < SHARED_BREACH_RATIO * p_stable:
+    if p_stable > t.budget and share < SHARED_BREACH_RATIO * p_stable:
         return False
     worse = 1.0 - fisher_greater(k_c, n_c, p_stable * n_s, n_s)
-    return worse >= confidence
+    return worse >= t.confidence
+
+
+def _smallest(ok: Callable[[float], bool], lo: float, hi: float, precision: float) -> float:
+    """The smallest x in (lo, hi] with ``ok(x)`` (monotone: false below it, true from it on), by
+    bisection to within ``precision``, from above."""
+    while hi - lo > precision:
+        mid = (lo + hi) / 2
+        if ok(mid):
+            hi = mid
+        else:
+            lo = mid
+    return hi
 
 
 RATE_PRECISION = 0.0005
 """Error rates are found to 0.05 percentage points."""
 
 
-def detectable_error_rate(
-    stable_share: float,
-    *,
-    canary_requests: float,
-    stable_requests: float,
-    confidence: float,
-    budget: float,
-    power: float = 0.5,
-    burstiness: float = 0.0,
-    subwindows: int = 1,
-) -> float:
+def detectable_error_rate(stable_share: float, tally: Tally) -> float:
     """The smallest share of the canary's requests answered with an error (shed, timed out,
     failed) that the rule fails (:func:`fails`), against a stable erring at ``stable_share``,
     rounded up to :data:`RATE_PRECISION`; ``math.inf`` when nothing short of every request
     failing is."""
 
     def ok(p: float) -> bool:
-        return fails(
-            p,
-            stable_share,
-            canary_requests=canary_requests,
-            stable_requests=stable_requests,
-            confidence=confidence,
-            budget=budget,
-            power=power,
-            burstiness=burstiness,
-            subwindows=subwindows,
-        )
+        return fails(p, stable_share, tally)
 
-    lo, hi = min(max(budget, 0.0), 1.0), 1.0
+    lo, hi = min(max(tally.budget, 0.0), 1.0), 1.0
     if not ok(hi):
         return math.inf
-    while hi - lo > RATE_PRECISION / 4:
-        mid = (lo + hi) / 2
-        if ok(mid):
-            hi = mid
-        else:
-            lo = mid
+    hi = _smallest(ok, lo, hi, RATE_PRECISION / 4)
     found = round(math.ceil(round(hi / RATE_PRECISION, 6)) * RATE_PRECISION, 4)
     return math.inf if found >= 1.0 else found  # only every request failing: none in reach
 
 
-def detectable_regression(
-    buckets: Sequence[tuple[float, float]],
-    slo: float,
-    *,
-    canary_requests: float,
-    stable_requests: float,
-    confidence: float,
-    budget: float,
-    power: float = 0.5,
-    burstiness: float = 0.0,
-    subwindows: int = 1,
-) -> float:
+def detectable_regression(buckets: Sequence[tuple[float, float]], slo: float, tally: Tally) -> float:
     """The smallest regression (a fraction: 0.5 is p99 1.5x the stable's) the rule detects
     (:func:`detects`), to :data:`PRECISION`; ``math.inf`` when not even :data:`LIMIT` is."""
 
     def ok(factor: float) -> bool:
-        return detects(
-            buckets,
-            slo,
-            factor,
-            canary_requests=canary_requests,
-            stable_requests=stable_requests,
-            confidence=confidence,
-            budget=budget,
-            power=power,
-            burstiness=burstiness,
-            subwindows=subwindows,
-        )
+        return detects(buckets, slo, factor, tally)
 
     lo, hi = 1.0, 1.0 + LIMIT
     if ok(lo):
         return 0.0
     if not ok(hi):
         return math.inf
-    while hi - lo > PRECISION:
-        mid = (lo + hi) / 2
-        if ok(mid):
-            hi = mid
-        else:
-            lo = mid
+    hi = _smallest(ok, lo, hi, PRECISION)
     return round(math.ceil(round((hi - 1.0) / PRECISION, 6)) * PRECISION, 2)  # up: at X itself the rule fails
+
+
+def _lane_tally(
+    canary: float, stable: float, confidence: float, analyses: int, budget: float, power: float, burstiness: float
+) -> Tally:
+    """A tally of ``analyses`` windows at this window's traffic (``canary`` and ``stable``
+    requests a window), over ``analyses * SLICES`` sub-windows."""
+    return Tally(canary * analyses, stable * analyses, confidence, budget, power, burstiness, analyses * SLICES)
 
 
 def lane_detectable_regression(
@@ -243,17 +196,8 @@ def lane_detectable_regression(
     (no stable histogram, no requests on either track)."""
     if stable is None or not stable.buckets or not canary.samples or not stable.samples:
         return None
-    return detectable_regression(
-        stable.buckets,
-        stable.threshold,
-        canary_requests=canary.samples * analyses,
-        stable_requests=stable.samples * analyses,
-        confidence=confidence,
-        budget=stable.budget,
-        power=power,
-        burstiness=burstiness or 0.0,
-        subwindows=analyses * SLICES,
-    )
+    tally = _lane_tally(canary.samples, stable.samples, confidence, analyses, stable.budget, power, burstiness or 0.0)
+    return detectable_regression(stable.buckets, stable.threshold, tally)
 
 
 def lane_detectable_error_rate(
@@ -273,13 +217,6 @@ def lane_detectable_error_rate(
     requests on either track)."""
     if stable is None or not canary.samples or not stable.samples:
         return None
-    return detectable_error_rate(
-        (stable.bad or 0.0) / stable.samples,
-        canary_requests=canary.samples * analyses,
-        stable_requests=stable.samples * analyses,
-        confidence=confidence,
-        budget=canary.budget,
-        power=power,
-        burstiness=burstiness if burstiness is not None else canary.burstiness or 0.0,
-        subwindows=analyses * SLICES,
-    )
+    bursts = burstiness if burstiness is not None else canary.burstiness or 0.0
+    tally = _lane_tally(canary.samples, stable.samples, confidence, analyses, canary.budget, power, bursts)
+    return detectable_error_rate((stable.bad or 0.0) / stable.samples, tally)

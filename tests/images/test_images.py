@@ -23,7 +23,7 @@ from pathlib import Path
 import pytest
 
 from batchpilot_localdev import free_port
-from bptest import REPO, Kube
+from bptest import INTERACTIVE_LANE, REPO, Kube
 
 pytestmark = [pytest.mark.slow, pytest.mark.images]
 
@@ -91,15 +91,7 @@ def test_runtime_image_serves_an_inference_with_a_mounted_config(
                 "policy": "p",
                 "revision": "abc123",
                 "model": {"name": "mlp", "source": "builtin:tiny-mlp", "device": "auto", "dtype": "float32"},
-                "lanes": [
-                    {
-                        "name": "interactive",
-                        "maxBatchSize": 8,
-                        "maxQueueDelay": "2ms",
-                        "maxQueueLength": 64,
-                        "requestTimeout": "1s",
-                    }
-                ],
+                "lanes": [INTERACTIVE_LANE],
             }
         )
     )

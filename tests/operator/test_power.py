@@ -6,6 +6,7 @@ from __future__ import annotations
 import dataclasses
 import math
 import random
+from typing import Any
 
 import pytest
 
@@ -14,6 +15,7 @@ from batchpilot_operator.fairness import gating_analyses
 from batchpilot_operator.power import (
     LIMIT,
     RATE_PRECISION,
+    Tally,
     detectable_error_rate,
     detectable_regression,
     detects,
@@ -23,6 +25,7 @@ from batchpilot_operator.power import (
 from batchpilot_operator.spec import PolicySpec
 from batchpilot_operator.stats import burst_variance, count_above
 from batchpilot_runtime.metrics import LATENCY_BUCKETS
+from bptest import INTERACTIVE_LANE
 
 SLO = 0.12
 
@@ -38,20 +41,29 @@ def lognormal(median: float, sigma: float, n: int = 4000, seed: int = 7) -> tupl
     return histogram([median * math.exp(rng.gauss(0, sigma)) for _ in range(n)])
 
 
-def check(track: str, bad: float, samples: float) -> MetricCheck:
+def metric_check(
+    track: str, metric: str, bad: float, samples: float, limit: float, value: float, threshold: float, **extra: Any
+) -> MetricCheck:
+    """A window's check of the interactive lane: failed when its share of bad events is over ``limit``."""
     return MetricCheck(
         track=track,  # type: ignore[arg-type]
         revision=track,
         lane="interactive",
-        metric="p99Latency",
+        metric=metric,  # type: ignore[arg-type]
         query="q",
         samples_query="n",
-        value=SLO * 2 if bad / samples > P99_BUDGET else SLO / 2,
+        value=value,
         samples=samples,
-        threshold=SLO,
-        outcome=Outcome.FAILED if bad / samples > P99_BUDGET else Outcome.SUCCESSFUL,
+        threshold=threshold,
+        outcome=Outcome.FAILED if bad / samples > limit else Outcome.SUCCESSFUL,
         bad=bad,
+        **extra,
     )
+
+
+def check(track: str, bad: float, samples: float) -> MetricCheck:
+    over = bad / samples > P99_BUDGET
+    return metric_check(track, "p99Latency", bad, samples, P99_BUDGET, SLO * 2 if over else SLO / 2, SLO)
 
 
 def verdict_at(buckets: tuple[tuple[float, float], ...], factor: float, n_canary: float, n_stable: float) -> Outcome:
@@ -76,7 +88,7 @@ def test_the_detectable_regression_is_where_the_verdict_starts_to_fail(
 ) -> None:
     buckets = lognormal(median, sigma)
     x = detectable_regression(
-        buckets, SLO, canary_requests=n_canary, stable_requests=n_stable, confidence=0.95, budget=P99_BUDGET
+        buckets, SLO, Tally(canary_requests=n_canary, stable_requests=n_stable, confidence=0.95, budget=P99_BUDGET)
     )
     assert 0 < x < LIMIT
     assert verdict_at(buckets, 1 + x, n_canary, n_stable) is Outcome.FAILED
@@ -89,7 +101,7 @@ def test_more_traffic_sees_smaller_regressions_and_a_far_stable_needs_larger_one
 
     def x(buckets: tuple[tuple[float, float], ...], n: float) -> float:
         return detectable_regression(
-            buckets, SLO, canary_requests=n, stable_requests=3 * n, confidence=0.95, budget=P99_BUDGET
+            buckets, SLO, Tally(canary_requests=n, stable_requests=3 * n, confidence=0.95, budget=P99_BUDGET)
         )
 
     thin, thick = x(near, 200), x(near, 5000)
@@ -97,14 +109,18 @@ def test_more_traffic_sees_smaller_regressions_and_a_far_stable_needs_larger_one
     assert x(lognormal(0.01, 0.5), 1000) > x(near, 1000)
     # no traffic on either side, or a stable so far inside that even 10x does not breach
     assert math.isinf(x(lognormal(0.0005, 0.2), 1000))
-    assert not detects(near, SLO, 3.0, canary_requests=0, stable_requests=100, confidence=0.95, budget=P99_BUDGET)
+    assert not detects(
+        near, SLO, 3.0, Tally(canary_requests=0, stable_requests=100, confidence=0.95, budget=P99_BUDGET)
+    )
 
 
 def test_a_canary_already_breaching_at_no_regression_reads_zero() -> None:
     # the stable at ~8% over the SLO with a tiny stable sample: the rule needs 2x its share,
     # so 0 is only returned when the bare stable distribution would already fail
     buckets = lognormal(0.08, 0.3)
-    x = detectable_regression(buckets, SLO, canary_requests=2000, stable_requests=2000, confidence=0.95, budget=0.01)
+    x = detectable_regression(
+        buckets, SLO, Tally(canary_requests=2000, stable_requests=2000, confidence=0.95, budget=0.01)
+    )
     assert x > 0
     assert verdict_at(buckets, 1.0, 2000, 2000) is not Outcome.FAILED
 
@@ -120,15 +136,7 @@ def _rollout_spec(replicas: int, steps: list[tuple[int, str]], interval: str, ro
         {
             "model": {"name": "m", "image": "img:1", "source": "builtin:mlp"},
             "replicas": replicas,
-            "lanes": [
-                {
-                    "name": "interactive",
-                    "maxBatchSize": 8,
-                    "maxQueueDelay": "2ms",
-                    "maxQueueLength": 64,
-                    "requestTimeout": "1s",
-                }
-            ],
+            "lanes": [dict(INTERACTIVE_LANE)],
             "slo": {"p99Latency": "120ms", "maxQueueAge": "60ms"},
             "rollout": rollout,
         }
@@ -158,21 +166,7 @@ def test_the_gate_sees_what_its_last_like_for_like_steps_gather() -> None:
 
 
 def error_check(track: str, bad: float, samples: float, budget: float) -> MetricCheck:
-    share = bad / samples
-    return MetricCheck(
-        track=track,  # type: ignore[arg-type]
-        revision=track,
-        lane="interactive",
-        metric="errorRate",
-        query="q",
-        samples_query="n",
-        value=share,
-        samples=samples,
-        threshold=budget,
-        outcome=Outcome.FAILED if share > budget else Outcome.SUCCESSFUL,
-        bad=bad,
-        budget=budget,
-    )
+    return metric_check(track, "errorRate", bad, samples, budget, bad / samples, budget, budget=budget)
 
 
 def error_verdict(rate: float, stable_share: float, n_canary: int, n_stable: int, budget: float) -> Outcome:
@@ -195,7 +189,7 @@ def test_the_detectable_error_rate_is_where_the_verdict_starts_to_fail(
     stable_share: float, n_canary: int, n_stable: int, budget: float
 ) -> None:
     e = detectable_error_rate(
-        stable_share, canary_requests=n_canary, stable_requests=n_stable, confidence=0.95, budget=budget
+        stable_share, Tally(canary_requests=n_canary, stable_requests=n_stable, confidence=0.95, budget=budget)
     )
     assert budget < e < 1
     if stable_share > budget:
@@ -209,7 +203,7 @@ def test_the_detectable_error_rate_is_where_the_verdict_starts_to_fail(
 
 def test_more_traffic_sees_smaller_error_rates_and_none_is_seen_without_traffic() -> None:
     def e(n: float) -> float:
-        return detectable_error_rate(0.0, canary_requests=n, stable_requests=3 * n, confidence=0.95, budget=0.01)
+        return detectable_error_rate(0.0, Tally(canary_requests=n, stable_requests=3 * n, confidence=0.95, budget=0.01))
 
     assert e(20_000) < e(2_000) < e(200)
     # a 2% shed against a 1% budget: out of reach for a thin tally, within it at more traffic
