@@ -91,7 +91,7 @@ def test_runtime_image_serves_an_inference_with_a_mounted_config(
                 "policy": "p",
                 "revision": "abc123",
                 "model": {"name": "mlp", "source": "builtin:tiny-mlp", "device": "auto", "dtype": "float32"},
-                "lanes": [INTERACTIVE_LANE],
+                "lanes": [dict(INTERACTIVE_LANE, requestTimeout="1s")],
             }
         )
     )

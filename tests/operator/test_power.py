@@ -136,7 +136,7 @@ def _rollout_spec(replicas: int, steps: list[tuple[int, str]], interval: str, ro
         {
             "model": {"name": "m", "image": "img:1", "source": "builtin:mlp"},
             "replicas": replicas,
-            "lanes": [dict(INTERACTIVE_LANE)],
+            "lanes": [dict(INTERACTIVE_LANE, requestTimeout="1s")],
             "slo": {"p99Latency": "120ms", "maxQueueAge": "60ms"},
             "rollout": rollout,
         }
