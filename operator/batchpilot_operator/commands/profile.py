@@ -33,6 +33,7 @@ from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
+from batchpilot_operator.commands import add_command
 from batchpilot_operator.tune.profile import LatencyProfile, ProfiledModel, ProfilePoint
 from batchpilot_runtime.config import parse_duration
 
@@ -40,11 +41,11 @@ DEFAULT_SIZES = "1,2,4,8,16,32,64,128,256"
 
 
 def register(subparsers: Any) -> None:
-    p: argparse.ArgumentParser = subparsers.add_parser(
+    p = add_command(
+        subparsers,
         "profile",
-        help="measure a model's execution time by batch size (a latency profile for `batchpilot tune`)",
-        description=__doc__,
-        formatter_class=argparse.RawDescriptionHelpFormatter,
+        "measure a model's execution time by batch size (a latency profile for `batchpilot tune`)",
+        __doc__,
     )
     src = p.add_mutually_exclusive_group(required=True)
     src.add_argument("--config", help="a runtime config (JSON/YAML): profile its model")

@@ -24,6 +24,7 @@ from typing import Any
 
 import yaml
 
+from batchpilot_operator.commands import add_command
 from batchpilot_operator.spec import KIND, LaneSpec, PolicySpec, parse_spec
 from batchpilot_operator.tune.calibration import UNMEASURED, LaneCalibration, load_calibration, policy_calibration
 from batchpilot_operator.tune.profile import load_profile
@@ -35,11 +36,11 @@ DEFAULT_LANE = "interactive"
 
 
 def register(subparsers: Any) -> None:
-    p: argparse.ArgumentParser = subparsers.add_parser(
+    p = add_command(
+        subparsers,
         "tune",
-        help="recommend a lane's max batch size and window from an arrival trace (a policy patch)",
-        description=__doc__,
-        formatter_class=argparse.RawDescriptionHelpFormatter,
+        "recommend a lane's max batch size and window from an arrival trace (a policy patch)",
+        __doc__,
     )
     p.add_argument("--trace", required=True, help="arrival trace: Azure CSV or one timestamp (s) per line")
     p.add_argument("--profile", required=True, help="latency profile from `batchpilot profile`")

@@ -31,6 +31,7 @@ from typing import Any, TextIO
 import yaml
 from pydantic import ValidationError
 
+from batchpilot_operator.commands import add_command
 from batchpilot_operator.feasibility import check_policy, check_rollout, lane_budget, ms
 from batchpilot_operator.spec import API_VERSION, KIND, parse_spec
 from batchpilot_operator.tune.calibration import (
@@ -79,11 +80,11 @@ class Report:
 
 
 def register(sub: Any) -> None:
-    p: argparse.ArgumentParser = sub.add_parser(
+    p = add_command(
+        sub,
         "validate",
-        help="validate BatchingPolicy files offline (schema, CEL-equivalent rules, SLO feasibility)",
-        description=__doc__,
-        formatter_class=argparse.RawDescriptionHelpFormatter,
+        "validate BatchingPolicy files offline (schema, CEL-equivalent rules, SLO feasibility)",
+        __doc__,
     )
     p.add_argument("files", nargs="+", type=Path, help="YAML files (multi-document); directories: their *.yaml")
     p.add_argument(
