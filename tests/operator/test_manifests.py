@@ -21,34 +21,27 @@ import yaml
 
 from batchpilot_operator import children
 from batchpilot_operator.spec import parse_spec
-from bptest import REPO, Kube, free_port
+from bptest import REPO, Kube, free_port, policy
 
 MANIFESTS = REPO / "manifests"
 FIXTURES = Path(__file__).resolve().parent / "fixtures"
 RENDERED = ["base", "overlays/monitoring", "argocd", "examples"]
 SA = "system:serviceaccount:batchpilot-system:batchpilot-operator"
 
-POLICY: dict[str, Any] = {
-    "apiVersion": "batchpilot.dev/v1alpha1",
-    "kind": "BatchingPolicy",
-    "metadata": {"name": "scorer"},
-    "spec": {
-        "model": {"name": "mlp", "image": "runtime:dev", "source": "builtin:mlp"},
-        "replicas": 2,
-        "resources": {"gpus": 1},
-        "lanes": [
-            {
-                "name": "background",
-                "maxBatchSize": 64,
-                "maxQueueDelay": "20ms",
-                "maxQueueLength": 1024,
-                "requestTimeout": "5s",
-            }
-        ],
-        "slo": {"p99Latency": "1s", "maxQueueAge": "200ms"},
-        "rollout": {"steps": [{"weight": 50, "pause": "1h"}], "analysisInterval": "1s"},
-    },
-}
+POLICY: dict[str, Any] = policy(
+    "scorer",
+    lanes=[
+        {
+            "name": "background",
+            "maxBatchSize": 64,
+            "maxQueueDelay": "20ms",
+            "maxQueueLength": 1024,
+            "requestTimeout": "5s",
+        }
+    ],
+    slo={"p99Latency": "1s", "maxQueueAge": "200ms"},
+    rollout={"steps": [{"weight": 50, "pause": "1h"}], "analysisInterval": "1s"},
+)
 
 
 def kubectl_bin() -> str:
