@@ -31,7 +31,6 @@ import concurrent.futures
 import json
 import math
 import os
-import signal
 import subprocess
 import sys
 import threading
@@ -49,6 +48,7 @@ from kubernetes.watch.watch import iter_resp_lines
 
 from batchpilot_localdev import free_port
 from batchpilot_localdev.cluster import LocalCluster
+from batchpilot_localdev.processes import stop_process
 from batchpilot_localdev.prometheus import start_prometheus
 
 REPO = Path(__file__).resolve().parents[1]
@@ -142,13 +142,7 @@ class Operator:
         return float("nan")
 
     def stop(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
-            try:
-                self.proc.wait(timeout=20)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
+        stop_process(self.proc, 20)
 
 
 # --------------------------------------------------------------------------- the bench's own view

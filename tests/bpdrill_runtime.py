@@ -19,6 +19,7 @@ from typing import Any
 import aiohttp
 
 from batchpilot_localdev import free_port
+from batchpilot_localdev.processes import stop_process
 from bptest import REPO
 
 # The builtin transformer (64 token ids a row, ~0.5 GFLOP): a capacity of tens of requests/s
@@ -114,13 +115,7 @@ class RuntimeServer:
         raise AssertionError("no VmRSS")
 
     def stop(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.terminate()
-            try:
-                self.proc.wait(timeout=15)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
+        stop_process(self.proc, 15)
 
 
 @dataclass

@@ -27,10 +27,9 @@ import urllib.request
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
-from types import TracebackType
 
 from batchpilot_localdev import checkout, free_port
-from batchpilot_localdev.procgroup import stop_group, stop_groups
+from batchpilot_localdev.processes import stop_group, stop_groups
 
 REPO_ROOT = checkout()
 DEFAULT_BIN_DIR = REPO_ROOT / ".cache" / "k8s-bin"
@@ -514,9 +513,7 @@ class LocalCluster:
     def __enter__(self) -> LocalCluster:
         return self
 
-    def __exit__(
-        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
-    ) -> None:
+    def __exit__(self, *exc: object) -> None:
         self.stop()
 
     # ---- helpers ---------------------------------------------------------------------

@@ -57,7 +57,8 @@ import yaml
 from batchpilot_localdev import free_port
 from batchpilot_localdev.cluster import REPO_ROOT, wait_established
 from batchpilot_localdev.load import Endpoint
-from batchpilot_localdev.procgroup import stop_groups
+from batchpilot_localdev.podnet import relay
+from batchpilot_localdev.processes import stop_groups
 from batchpilot_operator.children import LABEL_POLICY, LABEL_TRACK
 
 DEFAULT_BIN_DIR = REPO_ROOT / ".cache" / "contour-bin"
@@ -180,19 +181,7 @@ class TrackProxy:
         except OSError:
             writer.close()
             return
-
-        async def pump(src: asyncio.StreamReader, dst: asyncio.StreamWriter) -> None:
-            try:
-                while data := await src.read(65536):
-                    dst.write(data)
-                    await dst.drain()
-            except (OSError, asyncio.IncompleteReadError):
-                pass
-            finally:
-                with contextlib.suppress(OSError):
-                    dst.close()
-
-        await asyncio.gather(pump(reader, up_writer), pump(up_reader, writer))
+        await relay(reader, writer, up_reader, up_writer)
 
     def stop(self) -> None:
         async def close() -> None:

@@ -29,7 +29,7 @@ from kubernetes import client, config
 
 from batchpilot_localdev import free_port, podnet
 from batchpilot_localdev.cluster import POD_ROUTES
-from batchpilot_localdev.procgroup import stop_group, stop_groups
+from batchpilot_localdev.processes import stop_group, stop_groups
 from batchpilot_localdev.prometheus import PrometheusServer, ScrapeTarget
 from batchpilot_operator.children import CONFIG_KEY, LABEL_ENVIRONMENT, LABEL_POLICY, LABEL_REVISION, LABEL_TRACK
 

@@ -77,12 +77,23 @@ def resolve(routes: Path, target: str) -> tuple[str, int] | None:
     return lhost, int(lport)
 
 
+async def relay(
+    reader: asyncio.StreamReader,
+    writer: asyncio.StreamWriter,
+    up_reader: asyncio.StreamReader,
+    up_writer: asyncio.StreamWriter,
+) -> None:
+    """Copy bytes both ways between a client's connection and its upstream's until both ends
+    are done: each side's writer is closed when the other side's reader ends or fails."""
+    await asyncio.gather(_pipe(reader, up_writer), _pipe(up_reader, writer))
+
+
 async def _pipe(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
     try:
         while chunk := await reader.read(65536):
             writer.write(chunk)
             await writer.drain()
-    except (ConnectionError, asyncio.CancelledError):
+    except (OSError, asyncio.IncompleteReadError, asyncio.CancelledError):
         pass
     finally:
         with contextlib.suppress(Exception):
@@ -132,7 +143,7 @@ def handler(routes: Path) -> Handler:
             return
         writer.write(b"HTTP/1.1 200 Connection established\r\n\r\n")
         await writer.drain()
-        await asyncio.gather(_pipe(reader, up_writer), _pipe(up_reader, writer))
+        await relay(reader, writer, up_reader, up_writer)
 
     return handle
 

@@ -26,6 +26,7 @@ from pathlib import Path
 from typing import Any
 
 from batchpilot_localdev import checkout, free_port
+from batchpilot_localdev.processes import stop_process
 
 PROMETHEUS_BIN = shutil.which("prometheus") or "/usr/bin/prometheus"
 UPSTREAM_PROMETHEUS_BIN = (
@@ -197,14 +198,8 @@ class PrometheusServer:
 
     def stop(self, timeout: float = 15.0) -> None:
         proc, self.process = self.process, None
-        if proc is None or proc.poll() is not None:
-            return
-        proc.terminate()
-        try:
-            proc.wait(timeout=timeout)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait(timeout=timeout)
+        if proc is not None:
+            stop_process(proc, timeout)
 
     def log_tail(self, lines: int = 30) -> str:
         try:

@@ -48,7 +48,6 @@ import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from types import TracebackType
 from typing import IO, Any
 
 import yaml
@@ -62,7 +61,7 @@ from batchpilot_localdev.cluster import (
     make_node_credentials,
     write_cert_kubeconfig,
 )
-from batchpilot_localdev.procgroup import stop_group
+from batchpilot_localdev.processes import stop_group
 from batchpilot_localdev.prometheus import KubernetesSD, PrometheusServer
 from batchpilot_operator.children import LABEL_POLICY, LABEL_REVISION, LABEL_TRACK, RUNTIME_PORT
 
@@ -105,9 +104,16 @@ class RealNodeError(RuntimeError):
 
 
 def _run(
-    cmd: Sequence[str], *, check: bool = True, timeout: float = 600, env: dict[str, str] | None = None
+    cmd: Sequence[str],
+    *,
+    check: bool = True,
+    timeout: float = 600,
+    env: dict[str, str] | None = None,
+    input: str | None = None,
 ) -> subprocess.CompletedProcess[str]:
-    result = subprocess.run(list(cmd), capture_output=True, text=True, timeout=timeout, check=False, env=env)
+    result = subprocess.run(
+        list(cmd), capture_output=True, text=True, timeout=timeout, check=False, env=env, input=input
+    )
     if check and result.returncode != 0:
         raise RealNodeError(f"{' '.join(cmd)} exited {result.returncode}: {result.stderr.strip()[-2000:]}")
     return result
@@ -557,17 +563,8 @@ class RealNode:
         )
 
     def kubectl(self, *args: str, check: bool = True, input: str | None = None) -> str:
-        result = subprocess.run(
-            [str(self.kubectl_bin), f"--kubeconfig={self.kubeconfig}", *args],
-            capture_output=True,
-            text=True,
-            input=input,
-            check=False,
-            timeout=60,
-        )
-        if check and result.returncode != 0:
-            raise RealNodeError(f"kubectl {' '.join(args)}: {result.stderr.strip()}")
-        return result.stdout
+        cmd = [str(self.kubectl_bin), f"--kubeconfig={self.kubeconfig}", *args]
+        return _run(cmd, check=check, timeout=60, input=input).stdout
 
     def _node_ready(self) -> bool:
         out = self.kubectl(
@@ -661,9 +658,7 @@ class RealNode:
     def __enter__(self) -> RealNode:
         return self
 
-    def __exit__(
-        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
-    ) -> None:
+    def __exit__(self, *exc: object) -> None:
         self.stop()
 
 

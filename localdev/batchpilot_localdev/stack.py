@@ -36,6 +36,8 @@ from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
+from batchpilot_localdev.processes import stop_process
+
 STATE_FILE = "state.json"
 LOAD_FILE = "load.json"
 SUPERVISOR_LOG = "stack.log"
@@ -283,13 +285,8 @@ class Supervisor:
 
     def stop(self) -> None:
         self.stop_replays()
-        if self.operator is not None and self.operator.poll() is None:
-            self.operator.terminate()
-            try:
-                self.operator.wait(timeout=15)
-            except subprocess.TimeoutExpired:
-                self.operator.kill()
-                self.operator.wait()
+        if self.operator is not None:
+            stop_process(self.operator, 15)
         if self.harness is not None:
             self.harness.stop()
         if self.prom is not None:

@@ -21,6 +21,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 from batchpilot_localdev import checkout, free_port
+from batchpilot_localdev.processes import stop_process
 
 REPO = checkout()
 TOXIPROXY_BIN = Path(
@@ -79,13 +80,7 @@ class Toxiproxy:
             return ""
 
     def stop(self) -> None:
-        if self.process.poll() is None:
-            self.process.terminate()
-            try:
-                self.process.wait(timeout=10)
-            except subprocess.TimeoutExpired:
-                self.process.kill()
-                self.process.wait()
+        stop_process(self.process, 10)
 
     def _call(self, method: str, path: str, body: dict[str, Any] | None = None) -> Any:
         data = json.dumps(body).encode() if body is not None else None

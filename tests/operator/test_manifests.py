@@ -19,6 +19,7 @@ from typing import Any
 import pytest
 import yaml
 
+from batchpilot_localdev.processes import stop_process
 from batchpilot_operator import children
 from batchpilot_operator.spec import parse_spec
 from bptest import REPO, Kube, free_port, policy
@@ -395,12 +396,7 @@ def sa_operator(installed: Kube, tmp_path: Path) -> Iterator[tuple[subprocess.Po
     try:
         yield proc, log, health
     finally:
-        proc.terminate()
-        try:
-            proc.wait(timeout=15)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
+        stop_process(proc, 15)
 
 
 @pytest.mark.cluster

@@ -1,4 +1,4 @@
-"""Stopping the development stack's processes (batchpilot_localdev/procgroup.py): the signal reaches
+"""Stopping the development stack's processes (batchpilot_localdev/processes.py): the signal reaches
 the children of the process group too, and one that ignores SIGTERM is killed after the grace."""
 
 from __future__ import annotations
@@ -8,7 +8,7 @@ import subprocess
 import time
 from pathlib import Path
 
-from batchpilot_localdev.procgroup import stop_group, stop_groups
+from batchpilot_localdev.processes import stop_group, stop_groups, stop_process
 
 
 def spawn(tmp_path: Path, name: str, trap_term: bool = False) -> tuple[subprocess.Popen[bytes], Path]:
@@ -59,3 +59,14 @@ def test_stop_groups_signals_all_first_and_shares_one_grace(tmp_path: Path) -> N
     stop_groups((p for p, _ in procs), timeout=1.0)
     assert time.monotonic() - started < 3, "one grace period for all, not one each"
     assert all(p.returncode is not None and gone(child) for p, child in procs)
+
+
+def test_stop_process_terminates_then_kills_what_ignores_sigterm() -> None:
+    polite = subprocess.Popen(["sleep", "60"])
+    stop_process(polite, timeout=10)
+    assert polite.returncode == -15
+    stubborn = subprocess.Popen(["sh", "-c", "trap '' TERM; while :; do sleep 0.05; done"])
+    time.sleep(0.2)  # the trap is set
+    stop_process(stubborn, timeout=0.5)
+    assert stubborn.returncode == -9
+    stop_process(stubborn, timeout=10)  # stopped already: nothing to do

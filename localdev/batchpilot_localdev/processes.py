@@ -1,7 +1,10 @@
-"""Stopping what the development stack started: each of its processes (a control-plane component,
-Envoy, a runtime "pod", containerd, the kubelet) runs in a session of its own
-(``start_new_session=True``), so that a signal to its process group reaches the children it
-started too. Stopping is SIGTERM to the group, a grace period, then SIGKILL to the group.
+"""Stopping what the development stack (and the tests and benchmarks) started: SIGTERM, a grace
+period, then SIGKILL.
+
+A process that starts children of its own (a control-plane component, Envoy, a runtime "pod",
+containerd, the kubelet) runs in a session of its own (``start_new_session=True``), so that a
+signal to its process group reaches them too: :func:`stop_group`, :func:`stop_groups`. One that
+does not (the operator, Prometheus, Toxiproxy) is signalled alone: :func:`stop_process`.
 """
 
 from __future__ import annotations
@@ -13,6 +16,19 @@ import subprocess
 import time
 from collections.abc import Iterable
 from typing import Any
+
+
+def stop_process(proc: subprocess.Popen[Any], timeout: float) -> None:
+    """Stop a running ``proc`` (alone): SIGTERM, then SIGKILL when it has not exited ``timeout``
+    seconds later."""
+    if proc.poll() is not None:
+        return
+    proc.terminate()
+    try:
+        proc.wait(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait()
 
 
 def signal_group(proc: subprocess.Popen[Any], sig: int) -> None:
