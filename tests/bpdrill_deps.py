@@ -21,7 +21,7 @@ from batchpilot_localdev.load import TraceReplay
 from batchpilot_localdev.prometheus import PrometheusServer, start_prometheus
 from batchpilot_localdev.toxiproxy import Toxiproxy
 from batchpilot_operator.tune.trace import load_trace
-from bptest import REPO, TINY_CANARY_POLICY, Kube, OperatorProcess, start_operator
+from bptest import REPO, TINY_CANARY_POLICY, Kube, LedgerSeen, OperatorProcess, PolicyScenario, start_operator
 
 TRACE = REPO.parent / "shared" / "traces" / "azure-llm-2023-code.csv"
 RATE = 40.0  # requests/s over the policy under load
@@ -47,8 +47,11 @@ def stalled(status: dict[str, Any]) -> bool:
     return c is not None and c.get("status") == "True"
 
 
-class Stage:
-    """The stack one dependency drill runs against; ``status``/``wait`` read policy ``name``."""
+class Stage(PolicyScenario):
+    """The stack one dependency drill runs against; ``status``/``wait`` read policy ``shop``, or
+    ``name``."""
+
+    status_tail = 3000
 
     def __init__(
         self,
@@ -62,29 +65,10 @@ class Stage:
     ) -> None:
         self.kube, self.namespace, self.prom, self.toxi = kube, namespace, prom, toxi
         self.op, self.harness, self.replay = op, harness, replay
+        self.ledger = LedgerSeen()
 
-    def status(self, name: str = "shop") -> dict[str, Any]:
-        obj = self.kube.get("batchingpolicy", name, self.namespace) or {}
-        return obj.get("status") or {}
-
-    def wait(
-        self, predicate: Callable[[dict[str, Any]], bool], timeout: float, what: str, name: str = "shop"
-    ) -> dict[str, Any]:
-        def check() -> Any:
-            status = self.status(name)
-            return status if predicate(status) else None
-
-        try:
-            result: dict[str, Any] = self.kube.wait_for(check, timeout, what)
-        except AssertionError as exc:
-            raise AssertionError(
-                f"{exc}\nstatus: {json.dumps(self.status(name), indent=1)[-3000:]}\n"
-                f"operator log:\n{self.op.log()[-3000:]}\nharness errors: {self.harness.errors}"
-            ) from exc
-        return result
-
-    def apply(self, manifest: dict[str, Any]) -> None:
-        self.kube.apply(manifest, "-n", self.namespace)
+    def diagnostics(self) -> str:
+        return f"harness errors: {self.harness.errors}"
 
     def events(self, name: str = "shop") -> list[dict[str, Any]]:
         out = self.kube.kubectl(
@@ -95,11 +79,8 @@ class Stage:
 
     def start_canary(self, window: str, **rollout: Any) -> tuple[str, str]:
         """Roll ``shop`` to a new window; wait until the canary serves at 50%. (stable, canary)"""
-        stable = self.status()["stableRevision"]
-        self.apply(policy(window=window, **rollout))
-        canary = self.wait(lambda st: st.get("canaryRevision") not in (None, stable), 60, "a canary")["canaryRevision"]
-        self.wait(lambda st: st.get("canaryWeight") == 50, 120, "the canary at 50% of the pods")
-        return str(stable), str(canary)
+        stable = str(self.status()["stableRevision"])
+        return stable, self.begin_canary(policy(window=window, **rollout), stable)
 
     def reconcile_latency(self, name: str, replicas: int, timeout: float = 60.0) -> float:
         """Seconds from a spec change of policy ``name`` to its status observing it (the
@@ -159,8 +140,7 @@ def stage(
         trace = load_trace(TRACE)
         replay = TraceReplay(trace.scaled_arrivals(RATE), lambda: harness.endpoints("shop"), model="tiny").start()
         s = Stage(kube, namespace, prom, toxi, op, harness, replay)
-        s.apply(policy())
-        s.wait(lambda st: st.get("phase") == "Healthy", 120, "the first revision Healthy")
+        s.first_revision(policy())
         harness.wait_ready("shop", 2)
         yield s
     finally:

@@ -14,10 +14,36 @@ from typing import Any
 import yaml
 
 from batchpilot_localdev import free_port
+from batchpilot_localdev.processes import stop_process
 from batchpilot_operator.spec import PolicySpec
 
 REPO = Path(__file__).resolve().parents[1]
 CRD = REPO / "crds" / "batchingpolicy.yaml"
+
+
+def wait_until(predicate: Any, timeout: float, what: str, interval: float = 0.3) -> Any:
+    """Poll ``predicate`` every ``interval`` seconds until it returns something truthy, its
+    value; an AssertionError with the last value after ``timeout`` seconds."""
+    deadline = time.monotonic() + timeout
+    last: Any = None
+    while time.monotonic() < deadline:
+        last = predicate()
+        if last:
+            return last
+        time.sleep(interval)
+    raise AssertionError(f"timed out after {timeout}s waiting for {what}; last value: {last!r}")
+
+
+def batchpilot(*args: str, timeout: float) -> subprocess.CompletedProcess[str]:
+    """The ``batchpilot`` command line as a user runs it: a subprocess, its output captured."""
+    return subprocess.run(
+        [sys.executable, "-m", "batchpilot_operator.cli", *args],
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        env={**os.environ, "PYTHONUNBUFFERED": "1"},
+        check=False,
+    )
 
 
 @dataclass
@@ -69,14 +95,7 @@ class Kube:
 
     def wait_for(self, predicate: Any, timeout: float, what: str) -> Any:
         """Poll ``predicate`` until it returns something truthy (bounded by ``timeout``)."""
-        deadline = time.monotonic() + timeout
-        last: Any = None
-        while time.monotonic() < deadline:
-            last = predicate()
-            if last:
-                return last
-            time.sleep(0.3)
-        raise AssertionError(f"timed out after {timeout}s waiting for {what}; last value: {last!r}")
+        return wait_until(predicate, timeout, what)
 
 
 INTERACTIVE_LANE: dict[str, Any] = {
@@ -176,15 +195,7 @@ class OperatorProcess:
         return self.log_path.read_text(errors="replace")
 
     def stop(self) -> None:
-        import signal
-
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
-            try:
-                self.proc.wait(timeout=15)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
+        stop_process(self.proc, 15)
 
 
 NO_PROMETHEUS = "http://127.0.0.1:9"
@@ -219,10 +230,11 @@ class LedgerSeen:
 
 
 class PolicyScenario:
-    """What an end-to-end scenario does with its one policy: read its status (every ledger entry
-    the polls saw kept in ``ledger``), wait for a condition on it with the evidence on timeout,
-    and apply a change. A scenario sets the attributes below and adds its own evidence in
-    :meth:`diagnostics`."""
+    """What an end-to-end scenario does with its policy: read its status (every ledger entry the
+    polls saw kept in ``ledger``), wait for a condition on it with the evidence on timeout, and
+    apply a change. A scenario sets the attributes below, adds its own evidence in
+    :meth:`diagnostics` and checks what it started in :meth:`check_alive` (every poll). Another
+    policy of the namespace is read with ``name``."""
 
     kube: Kube
     namespace: str
@@ -235,26 +247,53 @@ class PolicyScenario:
     def diagnostics(self) -> str:
         return ""
 
-    def status(self) -> dict[str, Any]:
-        obj = self.kube.get("batchingpolicy", self.policy_name, self.namespace) or {}
+    def check_alive(self) -> None:
+        """Raise when something the scenario started has died (called before every poll)."""
+
+    def status(self, name: str | None = None) -> dict[str, Any]:
+        obj = self.kube.get("batchingpolicy", name or self.policy_name, self.namespace) or {}
         return self.ledger.record(obj.get("status") or {})
 
-    def wait(self, predicate: Any, timeout: float, what: str) -> dict[str, Any]:
+    def wait(self, predicate: Any, timeout: float, what: str, name: str | None = None) -> dict[str, Any]:
         def check() -> Any:
-            status = self.status()
+            self.check_alive()
+            status = self.status(name)
             return status if predicate(status) else None
 
         try:
             result: dict[str, Any] = self.kube.wait_for(check, timeout, what)
         except AssertionError as exc:
             raise AssertionError(
-                f"{exc}\nstatus: {json.dumps(self.status(), indent=1)[-self.status_tail :]}\n"
+                f"{exc}\nstatus: {json.dumps(self.status(name), indent=1)[-self.status_tail :]}\n"
                 f"operator log:\n{self.op.log()[-3000:]}\n{self.diagnostics()}"
             ) from exc
         return result
 
     def apply(self, policy: dict[str, Any]) -> None:
         self.kube.apply(policy, "-n", self.namespace)
+
+    def first_revision(self, policy: dict[str, Any], timeout: float = 120) -> str:
+        """Apply the policy's first revision and wait until it is Healthy; its revision."""
+        self.apply(policy)
+        return str(
+            self.wait(lambda st: st.get("phase") == "Healthy", timeout, "the first revision Healthy")["stableRevision"]
+        )
+
+    def begin_canary(self, policy: dict[str, Any], stable: str, weight_timeout: float = 120) -> str:
+        """Apply a change to the policy (whose stable revision is ``stable``) and wait for its
+        canary, then for the canary at 50% of the pods; the canary's revision."""
+        self.apply(policy)
+        canary = self.wait(lambda st: st.get("canaryRevision") not in (None, stable), 60, "a canary")["canaryRevision"]
+        self.wait(lambda st: st.get("canaryWeight") == 50, weight_timeout, "the canary at 50% of the pods")
+        return str(canary)
+
+    def promoted(self, canary: str, timeout: float) -> dict[str, Any]:
+        """Wait until ``canary`` is the stable revision and the policy Healthy; the status."""
+        return self.wait(
+            lambda st: st.get("stableRevision") == canary and st.get("phase") == "Healthy",
+            timeout,
+            "the good change promoted",
+        )
 
 
 def wait_policy_status(
@@ -385,31 +424,16 @@ TINY_MODEL: dict[str, Any] = {
 
 # The canary end-to-end policy: the tiny CPU model on two pods, one interactive lane, one 50%
 # step of 6 s analysed every 4 s; Prometheus trouble holds the rollout. The drills start from it.
-TINY_CANARY_POLICY: dict[str, Any] = {
-    "apiVersion": "batchpilot.dev/v1alpha1",
-    "kind": "BatchingPolicy",
-    "metadata": {"name": "shop"},
-    "spec": {
-        "model": dict(TINY_MODEL),
-        "replicas": 2,
-        "resources": {"gpus": 1},
-        "lanes": [
-            {
-                "name": "interactive",
-                "maxBatchSize": 8,
-                "maxQueueDelay": "2ms",
-                "maxQueueLength": 256,
-                "requestTimeout": "1s",
-                "priority": 10,
-            }
-        ],
-        "slo": {"p99Latency": "120ms", "maxQueueAge": "60ms"},
-        "rollout": {
-            "steps": [{"weight": 50, "pause": "6s"}],
-            "analysisInterval": "4s",
-            "failureLimit": 2,
-            "minSamples": 20,
-            "onMetricsUnavailable": {"action": "Hold"},
-        },
+TINY_CANARY_POLICY: dict[str, Any] = policy(
+    "shop",
+    model=dict(TINY_MODEL),
+    lanes=[dict(INTERACTIVE_LANE, maxQueueLength=256, requestTimeout="1s", priority=10)],
+    slo={"p99Latency": "120ms", "maxQueueAge": "60ms"},
+    rollout={
+        "steps": [{"weight": 50, "pause": "6s"}],
+        "analysisInterval": "4s",
+        "failureLimit": 2,
+        "minSamples": 20,
+        "onMetricsUnavailable": {"action": "Hold"},
     },
-}
+)

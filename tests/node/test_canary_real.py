@@ -74,8 +74,7 @@ def scenario(
 
 def test_good_change_promoted_bad_one_rolled_back_on_metrics_scraped_from_the_pods(scenario: Scenario) -> None:
     s = scenario
-    s.apply(real_policy())
-    first = s.wait(lambda st: st.get("phase") == "Healthy", 180, "the first revision Healthy")["stableRevision"]
+    first = s.first_revision(real_policy(), 180)
     stable = s.kube.wait_for(lambda: ready_pods(s.kube, s.namespace, "shop", "stable", 2), 120, "2 ready pods")
     # Prometheus found the pods in the cluster and scrapes them at their addresses on the bridge,
     # labelled by the PodMonitor's relabelings.
@@ -87,12 +86,8 @@ def test_good_change_promoted_bad_one_rolled_back_on_metrics_scraped_from_the_po
     }
 
     # (a) a sensible window: canary at 50%, analysed on the pods' metrics, promoted.
-    s.apply(with_window("4ms"))
-    canary = s.wait(lambda st: st.get("canaryRevision") not in (None, first), 60, "a canary")["canaryRevision"]
-    s.wait(lambda st: st.get("canaryWeight") == 50, 180, "the canary at 50% of the pods")
-    done = s.wait(
-        lambda st: st.get("stableRevision") == canary and st.get("phase") == "Healthy", 240, "the good change promoted"
-    )
+    canary = s.begin_canary(with_window("4ms"), first, weight_timeout=180)
+    done = s.promoted(canary, 240)
     assert done["history"][-1]["outcome"] == "Promoted"
     assert s.ledger.entries(revision=canary, outcome="Successful")
     served = s.prom.query(

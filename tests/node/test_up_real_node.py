@@ -7,7 +7,6 @@ from __future__ import annotations
 import json
 import os
 import subprocess
-import sys
 import time
 from pathlib import Path
 from typing import Any
@@ -15,6 +14,7 @@ from typing import Any
 import pytest
 import yaml
 
+import bptest
 from batchpilot_localdev.realnode import BRIDGE
 from bpnode import real_policy
 
@@ -22,14 +22,7 @@ pytestmark = [pytest.mark.cluster, pytest.mark.realnode, pytest.mark.prometheus,
 
 
 def batchpilot(*args: str, timeout: float = 600) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(
-        [sys.executable, "-m", "batchpilot_operator.cli", *args],
-        capture_output=True,
-        text=True,
-        timeout=timeout,
-        env={**os.environ, "PYTHONUNBUFFERED": "1"},
-        check=False,
-    )
+    return bptest.batchpilot(*args, timeout=timeout)
 
 
 def state(workdir: Path) -> dict[str, Any]:

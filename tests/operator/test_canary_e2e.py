@@ -82,17 +82,12 @@ def scenario(kube: Kube, namespace: str, prometheus: PrometheusServer, tmp_path:
 
 def test_canary_promotes_good_change_and_rolls_back_bad_one(scenario: Scenario) -> None:
     s = scenario
-    s.apply(POLICY)
-    first = s.wait(lambda st: st.get("phase") == "Healthy", 120, "the first revision Healthy")["stableRevision"]
+    first = s.first_revision(POLICY)
     s.harness.wait_ready("shop", 2)
 
     # (a) a sensible window: canary at 50%, analysed, promoted.
-    s.apply(with_window("4ms"))
-    canary = s.wait(lambda st: st.get("canaryRevision") not in (None, first), 60, "a canary")["canaryRevision"]
-    s.wait(lambda st: st.get("canaryWeight") == 50, 120, "the canary at 50% of the pods")
-    done = s.wait(
-        lambda st: st.get("stableRevision") == canary and st.get("phase") == "Healthy", 180, "the good change promoted"
-    )
+    canary = s.begin_canary(with_window("4ms"), first)
+    done = s.promoted(canary, 180)
     assert done["history"][-1]["outcome"] == "Promoted"
     assert s.ledger.entries(revision=canary, outcome="Successful")
 

@@ -51,7 +51,17 @@ from batchpilot_localdev.load import ROW, TraceReplay
 from batchpilot_localdev.prometheus import PrometheusServer
 from batchpilot_operator.fairness import per_pod_rate_query, underfed
 from batchpilot_operator.prom import PrometheusBackend
-from bptest import REPO, TINY_MODEL, Kube, OperatorProcess, start_operator
+from bptest import (
+    INTERACTIVE_LANE,
+    REPO,
+    TINY_MODEL,
+    Kube,
+    LedgerSeen,
+    OperatorProcess,
+    PolicyScenario,
+    policy,
+    start_operator,
+)
 
 pytestmark = [pytest.mark.cluster, pytest.mark.prometheus, pytest.mark.slow]
 
@@ -93,37 +103,24 @@ TENANT = {
 MIN_RATIO = EXAMPLE["rollout"]["trafficRouting"]["minCanaryLoadRatio"]
 ARGO = "argocd-controller"
 
-POLICY: dict[str, Any] = {
-    "apiVersion": "batchpilot.dev/v1alpha1",
-    "kind": "BatchingPolicy",
-    "metadata": {"name": "shop"},
-    "spec": {
-        "model": dict(TINY_MODEL),
-        "replicas": EXAMPLE["replicas"],
-        "resources": {"gpus": 1},
-        "lanes": [
-            {
-                "name": "interactive",
-                "maxBatchSize": 8,
-                "maxQueueDelay": "2ms",
-                "maxQueueLength": 512,
-                "requestTimeout": "2s",
-            }
-        ],
-        "slo": {"p99Latency": "120ms", "maxQueueAge": "60ms"},
-        "rollout": {
-            "steps": [{"weight": step["weight"], "pause": "20s"} for step in EXAMPLE["rollout"]["steps"]],
-            "analysisInterval": "4s",
-            "failureLimit": 2,
-            "minSamples": 10,
-            "onMetricsUnavailable": {"action": "Hold"},
-            "trafficRouting": {
-                **EXAMPLE["rollout"]["trafficRouting"],
-                "gatewayAPI": {**EXAMPLE["rollout"]["trafficRouting"]["gatewayAPI"], "httpRoute": "shop"},
-            },
+POLICY: dict[str, Any] = policy(
+    "shop",
+    model=dict(TINY_MODEL),
+    replicas=EXAMPLE["replicas"],
+    lanes=[dict(INTERACTIVE_LANE, maxQueueLength=512, requestTimeout="2s")],
+    slo={"p99Latency": "120ms", "maxQueueAge": "60ms"},
+    rollout={
+        "steps": [{"weight": step["weight"], "pause": "20s"} for step in EXAMPLE["rollout"]["steps"]],
+        "analysisInterval": "4s",
+        "failureLimit": 2,
+        "minSamples": 10,
+        "onMetricsUnavailable": {"action": "Hold"},
+        "trafficRouting": {
+            **EXAMPLE["rollout"]["trafficRouting"],
+            "gatewayAPI": {**EXAMPLE["rollout"]["trafficRouting"]["gatewayAPI"], "httpRoute": "shop"},
         },
     },
-}
+)
 
 
 def with_window(window: str, max_batch_size: int | None = None) -> dict[str, Any]:
@@ -280,7 +277,9 @@ def has_header_rule(route: dict[str, Any]) -> bool:
     )
 
 
-class Scenario:
+class Scenario(PolicyScenario):
+    status_tail = 3000
+
     def __init__(
         self,
         kube: Kube,
@@ -295,24 +294,13 @@ class Scenario:
         self.replay, self.prometheus_url = replay, prometheus_url
         self.closers: list[Callable[[], None]] = []
         """What the test started that the fixture stops (stopping twice is harmless)."""
+        self.ledger = LedgerSeen()
 
-    def status(self) -> dict[str, Any]:
-        return (self.kube.get("batchingpolicy", "shop", self.namespace) or {}).get("status") or {}
+    def check_alive(self) -> None:
+        self.gw.check_alive()
 
-    def wait(self, predicate: Any, timeout: float, what: str) -> dict[str, Any]:
-        def check() -> Any:
-            self.gw.check_alive()
-            status = self.status()
-            return status if predicate(status) else None
-
-        try:
-            result: dict[str, Any] = self.kube.wait_for(check, timeout, what)
-        except AssertionError as exc:
-            raise AssertionError(
-                f"{exc}\nstatus: {json.dumps(self.status(), indent=1)[-3000:]}\n"
-                f"operator log:\n{self.op.log()[-3000:]}\nharness errors: {self.harness.errors}"
-            ) from exc
-        return result
+    def diagnostics(self) -> str:
+        return f"harness errors: {self.harness.errors}"
 
     def envoy_at(self, weight: int, timeout: float = 60) -> None:
         self.kube.wait_for(
@@ -364,8 +352,7 @@ def scenario(kube: Kube, namespace: str, prometheus: PrometheusServer, tmp_path:
 
 def test_weights_header_and_rollback_through_contour_and_envoy(scenario: Scenario) -> None:
     s = scenario
-    s.kube.apply(POLICY, "-n", s.namespace)
-    first = s.wait(lambda st: st.get("phase") == "Healthy", 180, "the first revision Healthy")["stableRevision"]
+    first = s.first_revision(POLICY, 180)
     s.harness.wait_ready("shop", 2)
     s.envoy_at(0)
 

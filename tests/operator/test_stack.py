@@ -10,8 +10,6 @@ import re
 import signal
 import socket
 import subprocess
-import sys
-import time
 import urllib.parse
 import urllib.request
 from collections.abc import Iterator
@@ -20,6 +18,7 @@ from typing import Any
 
 import pytest
 
+import bptest
 from batchpilot_localdev.stack import pid_alive, processes_using, read_json
 from bptest import REPO
 
@@ -27,23 +26,11 @@ pytestmark = pytest.mark.slow
 
 
 def batchpilot(*args: str, timeout: float = 420) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(
-        [sys.executable, "-m", "batchpilot_operator.cli", *args],
-        capture_output=True,
-        text=True,
-        timeout=timeout,
-        check=False,
-    )
+    return bptest.batchpilot(*args, timeout=timeout)
 
 
 def wait_for(pred: Any, timeout: float, what: str) -> Any:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        value = pred()
-        if value:
-            return value
-        time.sleep(0.5)
-    raise AssertionError(f"timed out after {timeout}s waiting for {what}")
+    return bptest.wait_until(pred, timeout, what, interval=0.5)
 
 
 @pytest.fixture

@@ -59,7 +59,17 @@ from batchpilot_operator.analysis import Outcome, run_analysis
 from batchpilot_operator.prom import PrometheusBackend
 from batchpilot_operator.spec import parse_spec
 from batchpilot_operator.tune.trace import load_trace
-from bptest import REPO, TINY_MODEL, Kube, LedgerSeen, OperatorProcess, Plugin, PolicyScenario, start_operator
+from bptest import (
+    REPO,
+    TINY_MODEL,
+    Kube,
+    LedgerSeen,
+    OperatorProcess,
+    Plugin,
+    PolicyScenario,
+    policy,
+    start_operator,
+)
 
 pytestmark = [pytest.mark.cluster, pytest.mark.prometheus, pytest.mark.slow]
 
@@ -68,35 +78,30 @@ RATE = 30.0  # bulk requests/s over the policy (12 rows each, binary tensors): o
 CHAT_RATE = 0.25  # chat requests/s over the policy (1 row each, JSON): 0.83% of the requests
 BULK_ROWS = 12
 
-POLICY: dict[str, Any] = {
-    "apiVersion": "batchpilot.dev/v1alpha1",
-    "kind": "BatchingPolicy",
-    "metadata": {"name": "mall", "labels": {"batchpilot.dev/environment": "staging"}},
-    "spec": {
-        "model": dict(TINY_MODEL),
-        "replicas": 2,
-        "resources": {"gpus": 1},
-        "lanes": [
-            {
-                "name": "interactive",
-                "maxBatchSize": 12,
-                "maxQueueDelay": "2ms",
-                "maxQueueLength": 512,
-                "requestTimeout": "1s",
-            }
-        ],
-        "slo": {"p99Latency": "300ms", "maxQueueAge": "100ms"},
-        "tenants": {"names": ["bulk", "chat"]},
-        "rollout": {
-            "steps": [{"weight": 50, "pause": "180s"}],
-            "analysisInterval": "30s",
-            "failureLimit": 2,
-            "minSamples": 3,
-            "maxInconclusive": 20,
-            "onMetricsUnavailable": {"action": "Hold"},
-        },
+POLICY: dict[str, Any] = policy(
+    "mall",
+    model=dict(TINY_MODEL),
+    lanes=[
+        {
+            "name": "interactive",
+            "maxBatchSize": 12,
+            "maxQueueDelay": "2ms",
+            "maxQueueLength": 512,
+            "requestTimeout": "1s",
+        }
+    ],
+    slo={"p99Latency": "300ms", "maxQueueAge": "100ms"},
+    tenants={"names": ["bulk", "chat"]},
+    rollout={
+        "steps": [{"weight": 50, "pause": "180s"}],
+        "analysisInterval": "30s",
+        "failureLimit": 2,
+        "minSamples": 3,
+        "maxInconclusive": 20,
+        "onMetricsUnavailable": {"action": "Hold"},
     },
-}
+)
+POLICY["metadata"]["labels"] = {"batchpilot.dev/environment": "staging"}
 
 
 def changed(**lane: Any) -> dict[str, Any]:
@@ -194,8 +199,7 @@ def scenario(kube: Kube, namespace: str, prometheus: PrometheusServer, tmp_path:
 
 def test_canary_breaking_one_tenant_is_rolled_back_on_its_slice(scenario: Scenario) -> None:
     s = scenario
-    s.apply(POLICY)
-    stable = s.wait(lambda st: st.get("phase") == "Healthy", 120, "the first revision Healthy")["stableRevision"]
+    stable = s.first_revision(POLICY)
     s.harness.wait_ready("mall", 2)
     # The environment reaches Prometheus as a target label, the tenant as the runtime's label.
     s.prom.wait_for(

@@ -19,6 +19,8 @@ from typing import Any
 import aiohttp
 
 from batchpilot_localdev import free_port
+from batchpilot_localdev.processes import stop_process
+from bptest import wait_until
 
 HERE = Path(__file__).parent
 REPO = HERE.parent.parent
@@ -37,14 +39,7 @@ def lane(name: str, max_batch: int, delay: str, queue: int, timeout: str, priori
 
 
 def wait_for(cond: Callable[[], Any], timeout: float = 20.0, what: str = "condition") -> Any:
-    deadline = time.monotonic() + timeout
-    while True:
-        value = cond()
-        if value:
-            return value
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out after {timeout}s waiting for {what}")
-        time.sleep(0.01)
+    return wait_until(cond, timeout, what, interval=0.01)
 
 
 async def await_for(cond: Callable[[], Any], limit: float = 20.0, what: str = "condition") -> Any:
@@ -166,13 +161,7 @@ class Server:
 
     def stop(self) -> None:
         self.open_gate()
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
-            try:
-                self.proc.wait(20)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait(5)
+        stop_process(self.proc, 20)
         self._stderr.close()
 
     def __enter__(self) -> Server:
