@@ -9,7 +9,7 @@ from datetime import datetime, timedelta
 from batchpilot_operator.rollout.inputs import POLL_SECONDS, ROUTE_DRAIN_SECONDS, Decision
 from batchpilot_operator.rollout.schedule import next_analysis_at, percent, split_for
 from batchpilot_operator.rollout.state import PlanState, ts
-from batchpilot_operator.status import Condition, ConditionStatus, ConditionType, Phase
+from batchpilot_operator.status import ConditionStatus, ConditionType, Phase
 from batchpilot_operator.traffic import RouteInputs, RouteTarget, desired_route
 
 
@@ -232,29 +232,7 @@ def set_degraded(p: PlanState, stable_rev: str, stable_replicas: int, finishing:
 
 
 def set_condition(p: PlanState, type_: ConditionType, status: ConditionStatus, reason: str, message: str) -> None:
-    generation = p.inputs.generation
-    for i, cond in enumerate(p.st.conditions):
-        if cond.type == type_:
-            transition = cond.last_transition_time if cond.status == status else p.now
-            p.st.conditions[i] = Condition(
-                type=type_,
-                status=status,
-                reason=reason,
-                message=message,
-                last_transition_time=transition,
-                observed_generation=generation,
-            )
-            return
-    p.st.conditions.append(
-        Condition(
-            type=type_,
-            status=status,
-            reason=reason,
-            message=message,
-            last_transition_time=p.now,
-            observed_generation=generation,
-        )
-    )
+    p.st.set_condition(type_, status, reason, message, p.inputs.generation, p.now)
 
 
 def stall_reason(p: PlanState) -> tuple[str, str] | None:
