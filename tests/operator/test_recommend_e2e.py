@@ -33,7 +33,9 @@ from batchpilot_operator.tune.search import SLOTargets, search
 from batchpilot_operator.tune.trace import Trace, load_trace
 from bptest import REPO, Kube, OperatorProcess, Plugin, start_operator
 
-pytestmark = [pytest.mark.cluster, pytest.mark.prometheus, pytest.mark.slow]
+# alone: its assertions compare the pods' p99 with the model's and need the sender on time;
+# beside the other half of the suite on 2 cores both missed (pods 3-4x slower, the sender late).
+pytestmark = [pytest.mark.cluster, pytest.mark.prometheus, pytest.mark.slow, pytest.mark.alone]
 
 HERE = Path(__file__).parent
 TRACE = REPO.parent / "shared" / "traces" / "azure-llm-2023-code.csv"
