@@ -23,6 +23,7 @@ from pydantic import BaseModel, Field, ValidationError
 from batchpilot_operator.spec import RUNTIME_LANE_KEYS, SLO, LaneSpec, parse_spec
 from batchpilot_operator.tune.simulator import LaneSettings
 from batchpilot_runtime.config import LaneConfig, RuntimeConfig, is_duration
+from bptest import INTERACTIVE_LANE
 
 REPO = Path(__file__).resolve().parents[2]
 CRD_PATH = REPO / "crds" / "batchingpolicy.yaml"
@@ -137,11 +138,7 @@ def test_lane_spec_declares_no_runtime_field_again() -> None:
 
 
 LANE: dict[str, Any] = {
-    "name": "interactive",
-    "maxBatchSize": 8,
-    "maxQueueDelay": "2ms",
-    "maxQueueLength": 64,
-    "requestTimeout": "100ms",
+    **INTERACTIVE_LANE,
     "priority": 10,
     "expectedRate": 50,
     "slo": {"p99Latency": "80ms", "maxQueueAge": "10ms"},
