@@ -29,7 +29,7 @@ def record_analysis(p: PlanState, a: AnalysisResult) -> None:
         ]
         for owner, c in judged:
             s = owner.check(c.metric, "stable")
-            p._append_ledger(
+            p.append_ledger(
                 LedgerEntry(
                     time=p.now,
                     kind="Analysis",

@@ -41,9 +41,9 @@ class PlanState:
         self.events.append(Event(type=type_, reason=reason, message=message))
 
     def ledger(self, kind: LedgerKind, revision: str, reason: str | None = None, evidence: str | None = None) -> None:
-        self._append_ledger(LedgerEntry(time=self.now, kind=kind, revision=revision, reason=reason, evidence=evidence))
+        self.append_ledger(LedgerEntry(time=self.now, kind=kind, revision=revision, reason=reason, evidence=evidence))
 
-    def _append_ledger(self, entry: LedgerEntry) -> None:
+    def append_ledger(self, entry: LedgerEntry) -> None:
         self.st.ledger.append(entry)
         self.st.ledger = trim_ledger(self.st.ledger)
 
