@@ -20,17 +20,14 @@ import time
 from collections.abc import Sequence
 from typing import Any
 
-import orjson
 import yaml
 from aiohttp import web
 
 from batchpilot_runtime.capture import LiveProfile
 from batchpilot_runtime.config import parse_duration
-from batchpilot_runtime.protocol import error_body
+from batchpilot_runtime.responses import json_doc, json_error
 
 log = logging.getLogger(__name__)
-
-JSON = "application/json"
 
 
 def profile_warmup(
@@ -63,10 +60,6 @@ def profile_warmup(
             return
 
 
-def _error(status: int, message: str) -> web.Response:
-    return web.Response(status=status, body=error_body(message), content_type=JSON)
-
-
 def pod_name() -> str | None:
     return os.environ.get("BATCHPILOT_POD_NAME") or os.environ.get("HOSTNAME") or None
 
@@ -81,26 +74,26 @@ def add_routes(app: web.Application, rt: Any) -> None:
             try:
                 since = parse_duration(since_text)
             except ValueError as exc:
-                return _error(400, f"since: {exc}")
+                return json_error(400, f"since: {exc}")
             if since <= 0:
-                return _error(400, "since must be positive")
+                return json_error(400, "since must be positive")
         doc = rt.capture.arrivals_doc(since, pod_name())
         lane = request.query.get("lane")
         if lane is not None:
             lanes = [entry for entry in doc["lanes"] if entry["name"] == lane]
             if not lanes:
-                return _error(404, f"unknown lane {lane!r}; lanes are {[e['name'] for e in doc['lanes']]}")
+                return json_error(404, f"unknown lane {lane!r}; lanes are {[e['name'] for e in doc['lanes']]}")
             doc["lanes"] = lanes
-        return web.Response(body=orjson.dumps(doc), content_type=JSON)
+        return json_doc(doc)
 
     async def profile(request: web.Request) -> web.Response:
         model = rt.model
         if model is None:
-            return _error(503, "model is loading: no profile yet")
+            return json_error(503, "model is loading: no profile yet")
         doc = rt.capture.profile_doc(model.device_name, model.threads)
         if request.query.get("format") == "yaml":
             return web.Response(text=yaml.safe_dump(doc, sort_keys=False), content_type="application/yaml")
-        return web.Response(body=orjson.dumps(doc), content_type=JSON)
+        return json_doc(doc)
 
     app.router.add_get("/admin/arrivals", arrivals)
     app.router.add_get("/admin/profile", profile)

@@ -23,27 +23,26 @@ import signal
 import sys
 import threading
 import time
-from collections.abc import Awaitable, Callable
 from typing import Any
 
 import numpy as np
-import orjson
 from aiohttp import web
 
-from batchpilot_runtime import __version__, admin
+from batchpilot_runtime import admin
 from batchpilot_runtime.batcher import BatchWorker
 from batchpilot_runtime.capture import FAILED, WARMUP_PASSES, Capture, capture_bounds_from_env
 from batchpilot_runtime.config import RuntimeConfig, load_config
 from batchpilot_runtime.looplag import LoopLagProbe
+from batchpilot_runtime.metadata import UNIMPLEMENTED, Metadata, no_route, not_implemented
 from batchpilot_runtime.metrics import CONTENT_TYPE, UNKNOWN_LANE, Metrics
 from batchpilot_runtime.modelproc import ModelProcess
 from batchpilot_runtime.protocol import (
     BINARY_HEADER,
     InvalidRequest,
     encode_response,
-    error_body,
     parse_infer,
 )
+from batchpilot_runtime.responses import JSON, json_error
 from batchpilot_runtime.scheduler import Batch, Pending, QueueFull, State
 from batchpilot_runtime.shedding import RetryAfter
 from batchpilot_runtime.tensors import ServedModel, TensorSpec, profile_beyond_sizes, warmup_sizes
@@ -51,13 +50,7 @@ from batchpilot_runtime.tensors import ServedModel, TensorSpec, profile_beyond_s
 log = logging.getLogger("batchpilot.runtime")
 
 LANE_HEADER = "X-Batchpilot-Lane"
-JSON = "application/json"
 RETRY_AFTER_S = "1"
-SERVER_NAME = "batchpilot-runtime"
-# Open Inference Protocol extensions this server implements (named as Triton names them, so a
-# client can check ``get_server_metadata()["extensions"]``).
-EXTENSIONS = ("binary_tensor_data", "model_configuration")
-_DATA_TYPES = {"FP32": "TYPE_FP32", "FP16": "TYPE_FP16", "INT64": "TYPE_INT64", "INT32": "TYPE_INT32"}
 
 # Outcome tuples set on a request's future by the worker side.
 _OK = 0
@@ -90,14 +83,6 @@ def deprioritize_this_thread(nice: int) -> None:
         log.warning("could not lower the event loop's priority by %d: %s", nice, exc)
 
 
-def _json(doc: Any) -> web.Response:
-    return web.Response(body=orjson.dumps(doc), content_type=JSON)
-
-
-def _json_response(status: int, message: str, headers: dict[str, str] | None = None) -> web.Response:
-    return web.Response(status=status, body=error_body(message), content_type=JSON, headers=headers)
-
-
 class Runtime:
     """Server state: config, model, batcher, metrics, lifecycle flags."""
 
@@ -123,6 +108,7 @@ class Runtime:
         self.capture = Capture(cfg, track, *capture_bounds_from_env())
         self.shedding = RetryAfter(time.monotonic)
         self.loop_lag: LoopLagProbe | None = None
+        self.meta = Metadata(self)
 
     # -- startup -----------------------------------------------------------------------------
     def load(self) -> None:
@@ -257,122 +243,14 @@ class Runtime:
     # -- handlers ------------------------------------------------------------------------------
     async def live(self, request: web.Request) -> web.Response:
         if self.model is not None and not self.model.alive:  # restart me: no batch can run
-            return _json_response(500, "the model process exited; restart the server")
+            return json_error(500, "the model process exited; restart the server")
         return web.Response(body=b'{"live":true}', content_type=JSON)
 
     async def health_ready(self, request: web.Request) -> web.Response:
         if self.ready and not self.draining:
             return web.Response(body=b'{"ready":true}', content_type=JSON)
         reason = "draining" if self.draining else (self.load_error or "loading model")
-        return _json_response(503, f"not ready: {reason}")
-
-    async def server_meta(self, request: web.Request) -> web.Response:
-        doc = {"name": SERVER_NAME, "version": __version__, "extensions": list(EXTENSIONS)}
-        return _json(doc)
-
-    def _check_model(self, request: web.Request) -> web.Response | None:
-        name = request.match_info["name"]
-        if name != self.cfg.model.name:
-            return _json_response(404, f"unknown model {name!r}; this server serves {self.cfg.model.name!r}")
-        version = request.match_info.get("version")
-        if version is not None and version != self.cfg.revision:
-            return _json_response(
-                404,
-                f"unknown version {version!r} of model {name!r}; this server serves version "
-                f"{self.cfg.revision!r} (the policy revision) only",
-            )
-        return None
-
-    def _loaded_model(self, request: web.Request) -> ServedModel | web.Response:
-        """The model the request names, or the answer: 404 (:meth:`_check_model`), 503 while it loads."""
-        bad = self._check_model(request)
-        if bad is not None:
-            return bad
-        return self.model if self.model is not None else _json_response(503, "model is loading")
-
-    async def model_meta(self, request: web.Request) -> web.Response:
-        model = self._loaded_model(request)
-        if isinstance(model, web.Response):
-            return model
-        doc = {
-            "name": self.cfg.model.name,
-            "versions": [self.cfg.revision],
-            "platform": "pytorch",
-            "inputs": [model.input.as_json()],
-            "outputs": [model.output.as_json()],
-            "parameters": {
-                "source": self.cfg.model.source,
-                "device": model.device_name,
-                "dtype": self.cfg.model.dtype,
-                "revision": self.cfg.revision,
-                "track": self.track,
-                "policy": self.cfg.policy,
-                "default_lane": self.default_lane,
-                "lanes": [lane.model_dump(mode="json", by_alias=True) for lane in self.cfg.lanes],
-                "runtime_version": __version__,
-            },
-        }
-        return _json(doc)
-
-    async def model_config(self, request: web.Request) -> web.Response:
-        """The model configuration extension, in Triton's shape (dims without the batch dim)."""
-        model = self._loaded_model(request)
-        if isinstance(model, web.Response):
-            return model
-        default = self.cfg.lane(self.default_lane)
-
-        def tensor(spec: TensorSpec) -> dict[str, Any]:
-            return {"name": spec.name, "data_type": _DATA_TYPES[spec.datatype], "dims": list(spec.row_shape)}
-
-        doc = {
-            "name": self.cfg.model.name,
-            "platform": "pytorch",
-            "backend": SERVER_NAME,
-            "max_batch_size": max(lane.max_batch_size for lane in self.cfg.lanes),
-            "input": [tensor(model.input)],
-            "output": [tensor(model.output)],
-            "dynamic_batching": {
-                "max_queue_delay_microseconds": round(default.max_queue_delay * 1e6),
-                "default_queue_policy": {
-                    "timeout_action": "REJECT",
-                    "default_timeout_microseconds": round(default.request_timeout * 1e6),
-                    "max_queue_size": default.max_queue_length,
-                },
-            },
-            "parameters": {
-                "revision": {"string_value": self.cfg.revision},
-                "default_lane": {"string_value": self.default_lane},
-                "lanes": {"string_value": ",".join(self.lane_names)},
-            },
-        }
-        return _json(doc)
-
-    @staticmethod
-    def not_implemented(extension: str) -> Callable[[web.Request], Awaitable[web.Response]]:
-        """A handler for an optional protocol extension this server does not implement: a clear 400."""
-
-        async def handler(request: web.Request) -> web.Response:
-            return _json_response(
-                400,
-                f"{request.method} {request.path}: the {extension} extension is not implemented by "
-                f"{SERVER_NAME}; it implements the core Open Inference Protocol and {', '.join(EXTENSIONS)}",
-            )
-
-        return handler
-
-    async def no_route(self, request: web.Request) -> web.Response:
-        return _json_response(
-            404,
-            f"{request.method} {request.path} is not an endpoint of {SERVER_NAME} (Open Inference Protocol "
-            "v2 REST: GET /v2, /v2/health/{live,ready}, /v2/models/NAME[/versions/V][/ready|/config], "
-            "POST /v2/models/NAME[/versions/V]/infer)",
-        )
-
-    async def model_ready(self, request: web.Request) -> web.Response:
-        bad = self._check_model(request)
-        if bad is not None:
-            return bad
-        return await self.health_ready(request)
+        return json_error(503, f"not ready: {reason}")
 
     async def metrics_handler(self, request: web.Request) -> web.Response:
         self.capture.front_end.tick(time.perf_counter())
@@ -397,7 +275,7 @@ class Runtime:
         header_tenant = request.headers.get(tenants.header)
         tenant = tenants.label(header_tenant)
         m = self.metrics
-        bad = self._check_model(request)
+        bad = self.meta.check_model(request)
         if bad is not None:
             if m is not None:
                 m.outcome(UNKNOWN_LANE, "invalid", tenant, bad.status)
@@ -406,7 +284,7 @@ class Runtime:
             if m is not None:
                 m.outcome(header_lane or self.default_lane, "unavailable", tenant)
             why = "server is shutting down" if self.draining else "model is not ready yet"
-            return _json_response(503, why, {"Retry-After": RETRY_AFTER_S})
+            return json_error(503, why, {"Retry-After": RETRY_AFTER_S})
         # Shed before reading and parsing the body when the lane is known from the header (or is
         # the only lane) and its queue is full: under a retry storm most requests are rejected,
         # and each rejection should cost as little as possible of the CPU the batches need.
@@ -429,19 +307,19 @@ class Runtime:
             parsed = parse_infer(body, spec, json_len)
         except (InvalidRequest, ValueError) as exc:
             m.outcome(header_lane or self.default_lane, "invalid", tenant)
-            return _json_response(400, str(exc))
+            return json_error(400, str(exc))
         if not header_tenant and parsed.tenant:  # the header wins over parameters.tenant
             tenant = tenants.label(parsed.tenant)
         lane_name = header_lane or parsed.lane or self.default_lane
         idx = self.lane_index.get(lane_name)
         if idx is None:
             m.outcome(UNKNOWN_LANE, "invalid", tenant)
-            return _json_response(400, f"unknown lane {lane_name!r}; lanes are {self.lane_names}")
+            return json_error(400, f"unknown lane {lane_name!r}; lanes are {self.lane_names}")
         lane_cfg = self.cfg.lanes[idx]
         rows = parsed.data.shape[0]
         if rows > lane_cfg.max_batch_size:
             m.outcome(lane_name, "invalid", tenant)
-            return _json_response(
+            return json_error(
                 400,
                 f"request has {rows} rows, more than lane {lane_name!r} maxBatchSize "
                 f"{lane_cfg.max_batch_size}; split it into smaller requests",
@@ -474,13 +352,13 @@ class Runtime:
             resp = web.Response(body=body_out, content_type=JSON, headers=headers)
             m.outcome(lane_name, "ok", tenant)
         elif kind == _TIMEOUT:
-            resp = _json_response(504, payload)
+            resp = json_error(504, payload)
             m.outcome(lane_name, "timed_out", tenant)
         elif kind == _SHUTDOWN:
-            resp = _json_response(503, payload, {"Retry-After": RETRY_AFTER_S})
+            resp = json_error(503, payload, {"Retry-After": RETRY_AFTER_S})
             m.outcome(lane_name, "unavailable", tenant)
         else:
-            resp = _json_response(500, payload)
+            resp = json_error(500, payload)
             m.outcome(lane_name, "failed", tenant)
         elapsed = time.perf_counter() - arrival
         latency.observe(elapsed)
@@ -503,7 +381,7 @@ class Runtime:
         if self.metrics is not None:
             self.metrics.outcome(lane, "rejected_full", tenant)
         self.shedding.rejected()
-        return _json_response(429, message, {"Retry-After": self.shedding.retry_after()})
+        return json_error(429, message, {"Retry-After": self.shedding.retry_after()})
 
     # -- shutdown ------------------------------------------------------------------------------
     async def drain(self) -> None:
@@ -536,40 +414,23 @@ class Runtime:
                 await asyncio.wait_for(self.idle.wait(), 2.0)
 
 
-# Optional extensions a stock client (tritonclient) may call, answered 400 with their name.
-_UNIMPLEMENTED = (
-    ("statistics", "/v2/models/stats"),
-    ("statistics", "/v2/models/{name}/stats"),
-    ("statistics", "/v2/models/{name}/versions/{version}/stats"),
-    ("model_repository", "/v2/repository/{tail:.*}"),
-    ("system_shared_memory", "/v2/systemsharedmemory/{tail:.*}"),
-    ("cuda_shared_memory", "/v2/cudasharedmemory/{tail:.*}"),
-    ("trace", "/v2/trace/setting"),
-    ("trace", "/v2/models/{name}/trace/setting"),
-    ("logging", "/v2/logging"),
-    ("generate", "/v2/models/{name}/generate"),
-    ("generate", "/v2/models/{name}/generate_stream"),
-    ("generate", "/v2/models/{name}/versions/{version}/generate"),
-    ("generate", "/v2/models/{name}/versions/{version}/generate_stream"),
-)
-
-
 def build_app(rt: Runtime) -> web.Application:
     app = web.Application(client_max_size=256 * 1024 * 1024)
     r = app.router
-    r.add_get("/v2", rt.server_meta)
+    meta = rt.meta
+    r.add_get("/v2", meta.server)
     r.add_get("/v2/health/live", rt.live)
     r.add_get("/v2/health/ready", rt.health_ready)
-    for extension, path in _UNIMPLEMENTED:  # before /v2/models/{name}, which "stats" would match
-        r.add_route("*", path, rt.not_implemented(extension))
+    for extension, path in UNIMPLEMENTED:  # before /v2/models/{name}, which "stats" would match
+        r.add_route("*", path, not_implemented(extension))
     for model in ("/v2/models/{name}", "/v2/models/{name}/versions/{version}"):
-        r.add_get(model, rt.model_meta)
-        r.add_get(model + "/ready", rt.model_ready)
-        r.add_get(model + "/config", rt.model_config)
+        r.add_get(model, meta.model)
+        r.add_get(model + "/ready", meta.model_ready)
+        r.add_get(model + "/config", meta.model_config)
         r.add_post(model + "/infer", rt.infer)
     r.add_get("/metrics", rt.metrics_handler)
     admin.add_routes(app, rt)
-    r.add_route("*", "/v2/{tail:.*}", rt.no_route)
+    r.add_route("*", "/v2/{tail:.*}", no_route)
     return app
 
 
