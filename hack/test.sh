@@ -9,16 +9,15 @@ echo ">> ruff"; ruff check . && ruff format --check .
 echo ">> mypy --strict"; mypy
 echo ">> import-linter"; lint-imports
 echo ">> pytest"
-if [ "$#" -gt 0 ] || [ -z "${BATCHPILOT_TEST_PARALLEL:-}" ]; then
+if [ "$#" -gt 0 ] || [ -n "${BATCHPILOT_TEST_SERIAL:-}" ]; then
   exec pytest --durations=20 "$@"
 fi
-# BATCHPILOT_TEST_PARALLEL=1: the whole suite as two pytest processes at once, each with its own
-# local control plane: the operator's tests, and the rest (runtime, real node, images, drills);
-# then the tests marked `alone` (they compare measured latency with the model, or need the load
-# sender on time) by themselves. Each line says its group. Not the default, and not what CI
-# runs: on 2 cores it took 24 minutes instead of 41, but two runs of it failed 3 tests the serial
-# run passes, each a measurement of the contention (pods 3-4x slower than the model, a sender
-# late, a client giving up on one request through Envoy); see docs/development.md.
+# The whole suite as two pytest processes at once, each with its own local control plane: the
+# operator's tests, and the rest (runtime, real node, images, drills); then the tests marked
+# `alone` by themselves: they compare measured latency with the model, or need a load sender and
+# its clients on time, and beside the other half of the suite on 2 cores they missed (pods 3-4x
+# slower than the model, a client giving up on a request through Envoy). Every test runs exactly
+# once; BATCHPILOT_TEST_SERIAL=1 (or any pytest argument) runs them in one process instead.
 group() {
   local name=$1
   shift

@@ -63,7 +63,9 @@ from bptest import (
     start_operator,
 )
 
-pytestmark = [pytest.mark.cluster, pytest.mark.prometheus, pytest.mark.slow]
+# alone: its clients send through Envoy with a timeout; beside the other half of the suite on 2
+# cores one gave up on a request to the canary (a 0 DC in the access log), and the test failed.
+pytestmark = [pytest.mark.cluster, pytest.mark.prometheus, pytest.mark.slow, pytest.mark.alone]
 
 BACKGROUND_RATE = 30.0  # requests/s through the gateway, so every analysis has samples ...
 
