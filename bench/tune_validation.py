@@ -207,7 +207,8 @@ def search_only(trace: Trace, profile: LatencyProfile, args: argparse.Namespace)
     For every candidate, the verdict at 40 rates log-spaced from 1% to 99% of its
     capacity must be "meets SLO" (the bisection assumes the feasible rates form [0, capacity]).
     """
-    from batchpilot_operator.tune.simulator import meets_slo, split_arrivals
+    from batchpilot_operator.tune.simulator import split_arrivals
+    from batchpilot_operator.tune.slo_check import meets_slo
 
     slo = SLOTargets(parse_duration(args.p99), parse_duration(args.queue_age), args.margin)
     t0 = time.perf_counter()

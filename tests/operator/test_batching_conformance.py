@@ -22,11 +22,11 @@ from batchpilot_operator.tune.simulator import (
     LaneSettings,
     SimResult,
     Targets,
-    meets_slo,
     simulate,
     simulate_exact,
     simulate_requests,
 )
+from batchpilot_operator.tune.slo_check import meets_slo
 from batchpilot_operator.tune.trace import Trace, load_trace
 from batchpilot_runtime.config import LaneConfig
 from batchpilot_runtime.scheduler import Pending, QueueFull, Scheduler, State

@@ -14,13 +14,13 @@ from batchpilot_operator.tune.simulator import (
     Targets,
     allowed_misses,
     front_end,
-    meets_slo,
     nearest_rank,
     simulate,
     simulate_exact,
     simulate_requests,
     split_arrivals,
 )
+from batchpilot_operator.tune.slo_check import meets_slo
 
 MS = 1e-3
 

@@ -6,7 +6,8 @@ it to that), so ``batchpilot tune`` runs anywhere the operator's CLI does.
 
 from batchpilot_operator.tune.profile import LatencyProfile, ProfilePoint, load_profile
 from batchpilot_operator.tune.search import SLOTargets, TuneResult, search
-from batchpilot_operator.tune.simulator import LaneSettings, SimResult, Targets, meets_slo, simulate
+from batchpilot_operator.tune.simulator import LaneSettings, SimResult, Targets, simulate
+from batchpilot_operator.tune.slo_check import meets_slo
 from batchpilot_operator.tune.trace import Trace, load_trace
 
 __all__ = [

@@ -59,10 +59,10 @@ from batchpilot_operator.tune.simulator import (
     SimResult,
     Split,
     Targets,
-    meets_slo,
     simulate,
     split_arrivals,
 )
+from batchpilot_operator.tune.slo_check import meets_slo
 from batchpilot_operator.tune.trace import Trace
 
 

@@ -20,7 +20,7 @@ The model of one replica (one runtime pod, one model executor), mirroring the ru
 The rule is the runtime's own: the exact engine drives ``batchpilot_runtime.scheduler.Scheduler``
 (the class the runtime's ``BatchWorker`` cuts every batch with) on a simulated clock, cutting
 the next batch at ``max(ready, executor free)`` as the worker does; the fast engine and
-:func:`meets_slo` re-derive the same rule for speed, and
+:func:`batchpilot_operator.tune.slo_check.meets_slo` re-derive the same rule for speed, and
 ``tests/operator/test_batching_conformance.py`` holds all of them to the same batches (sizes
 and instants, in order) on both real traces, Poisson and on/off arrivals. Not modelled: other
 lanes sharing the executor (priorities), multi-row requests, and CPU contention between HTTP
@@ -46,8 +46,9 @@ Two engines give identical answers where both apply (tests hold them to it):
 :func:`simulate_exact` steps through every arrival with the runtime's Scheduler and handles
 drops and timeouts; :func:`_fast_replica` walks batch by batch with binary searches over the sorted
 arrival times (O(batches x log B)), and hands over to the exact engine the moment the run
-would drop or time out a request. :func:`meets_slo` uses the fast engine with early exit:
-it stops as soon as more requests missed a target than the p99 allows.
+would drop or time out a request. :func:`batchpilot_operator.tune.slo_check.meets_slo` walks
+the same way with early exit: it stops as soon as more requests missed a target than the p99
+allows.
 
 Quantiles use the nearest-rank definition (p99 = the ceil(0.99 n)-th smallest value), so
 "p99 <= T" is exactly "at most n - ceil(0.99 n) requests exceed T".
@@ -213,7 +214,7 @@ class _NeedsExact(Exception):
     """The fast engine met a drop or an expiry; the exact engine must take over."""
 
 
-def _check_table(settings: LaneSettings, exec_table: Sequence[float]) -> None:
+def check_table(settings: LaneSettings, exec_table: Sequence[float]) -> None:
     if len(exec_table) <= settings.max_batch_size:
         raise ValueError(
             f"exec_table covers batch sizes up to {len(exec_table) - 1}, settings need {settings.max_batch_size}"
@@ -237,7 +238,7 @@ class RequestRecord:
         return self.arrival + (self.latency or 0.0)
 
 
-def _exact_replica(
+def exact_replica(
     arr: Sequence[float],
     s: LaneSettings,
     ex: Sequence[float],
@@ -347,7 +348,7 @@ def _fast_replica(
     origin: Sequence[float] | None = None,
 ) -> float:
     """Batch-by-batch engine for one replica; raises _NeedsExact on a drop or an expiry.
-    ``origin``: as for :func:`_exact_replica`."""
+    ``origin``: as for :func:`exact_replica`."""
     org = arr if origin is None else origin
     B, W, L, TO = s.max_batch_size, s.max_queue_delay, s.max_queue_length, s.request_timeout
     n = len(arr)
@@ -418,7 +419,7 @@ def simulate(
     ``front_end_cost`` (seconds of the HTTP loop per request, the profile's ``frontEndCost``):
     each replica's requests reach its batcher through its loop (:func:`front_end`).
     """
-    _check_table(settings, exec_table)
+    check_table(settings, exec_table)
     result = SimResult(requests=len(arrivals), replicas=replicas)
     last = arrivals[-1] if arrivals else 0.0
     for part in split_arrivals(arrivals, replicas, split, seed):
@@ -434,7 +435,7 @@ def simulate(
             except _NeedsExact:
                 scratch = SimResult(requests=len(part))
         if end is None:
-            end = _exact_replica(*args, scratch, exec_scale, delay=dispatch_delay, origin=origin)
+            end = exact_replica(*args, scratch, exec_scale, delay=dispatch_delay, origin=origin)
         result.latencies += scratch.latencies
         result.queue_waits += scratch.queue_waits
         result.batch_sizes += scratch.batch_sizes
@@ -463,7 +464,7 @@ def simulate_requests(
     walks batch by batch when nothing is dropped or timed out (every request is then served,
     in arrival order, with the same latencies) and replays exactly otherwise. With
     ``front_end_cost``, requests reach the batcher through the HTTP loop (:func:`front_end`)."""
-    _check_table(settings, exec_table)
+    check_table(settings, exec_table)
     handled, origin = (front_end(arrivals, front_end_cost), arrivals) if front_end_cost > 0 else (arrivals, None)
     if engine == "auto":
         scratch = SimResult(len(arrivals))
@@ -477,7 +478,7 @@ def simulate_requests(
                 for a, lat, wait in zip(arrivals, scratch.latencies, scratch.queue_waits, strict=True)
             ]
     records: list[RequestRecord] = []
-    _exact_replica(
+    exact_replica(
         handled, settings, exec_table, request_overhead, SimResult(len(arrivals)), exec_scale, records, origin=origin
     )
     return records
@@ -509,110 +510,3 @@ def simulate_exact(
         dispatch_delay,
         front_end_cost,
     )
-
-
-def _fast_misses(
-    arr: Sequence[float],
-    s: LaneSettings,
-    ex: Sequence[float],
-    targets: Targets,
-    overhead: float,
-    budget: int,
-    delay: float = 0.0,
-    origin: Sequence[float] | None = None,
-) -> tuple[int, int] | None:
-    """Misses of one replica (latency, queue age), stopping once either passes ``budget``.
-
-    None when the run would drop or time out a request (the caller replays it exactly).
-    ``origin``: as for :func:`_exact_replica` (sorted like ``arr``: the front end is FIFO, so
-    the oldest row by arrival at the pod is the latest one of its batch).
-    """
-    org = arr if origin is None else origin
-    B, W, L, TO = s.max_batch_size, s.max_queue_delay, s.max_queue_length, s.request_timeout
-    t_lat = targets.latency - overhead
-    t_age = targets.queue_age
-    br = bisect.bisect_right
-    bl = bisect.bisect_left
-    m = len(arr)
-    i = 0
-    free = -math.inf
-    lat_miss = 0
-    age_miss = 0
-    while i < m:
-        a0 = arr[i]
-        due = a0 + W
-        if i + B - 1 < m:
-            fill = arr[i + B - 1]
-            if fill < due:
-                due = fill
-        t = (free if free > due else due) + delay
-        if (i + L < m and arr[i + L] <= t) or a0 + TO <= t:
-            return None
-        hi = i + B if i + B < m else m
-        j = br(arr, t, i, hi)
-        done = t + ex[j - i]
-        if done - org[i] > t_lat:  # the oldest row is late; count the late ones exactly
-            lat_miss += bl(org, done - t_lat, i, j) - i
-            if t - a0 > t_age:
-                age_miss += bl(arr, t - t_age, i, j) - i
-            if lat_miss > budget or age_miss > budget:
-                return lat_miss, age_miss
-        elif t - a0 > t_age:
-            age_miss += bl(arr, t - t_age, i, j) - i
-            if age_miss > budget:
-                return lat_miss, age_miss
-        free = done
-        i = j
-    return lat_miss, age_miss
-
-
-def _exact_misses(
-    arr: Sequence[float],
-    s: LaneSettings,
-    ex: Sequence[float],
-    targets: Targets,
-    overhead: float,
-    delay: float = 0.0,
-    origin: Sequence[float] | None = None,
-) -> tuple[int, int]:
-    sub = SimResult(requests=len(arr))
-    _exact_replica(arr, s, ex, overhead, sub, delay=delay, origin=origin)
-    lat_miss = sum(1 for x in sub.latencies if x > targets.latency) + sub.failed
-    age_miss = sum(1 for x in sub.queue_waits if x > targets.queue_age) + (len(arr) - len(sub.queue_waits))
-    return lat_miss, age_miss
-
-
-def meets_slo(
-    parts: Sequence[Sequence[float]],
-    settings: LaneSettings,
-    exec_table: Sequence[float],
-    targets: Targets,
-    request_overhead: float = 0.0,
-    dispatch_delay: float = 0.0,
-    front_end_cost: float = 0.0,
-) -> bool:
-    """Whether p99 latency and p99 queue age stay within ``targets`` (arrivals already split).
-
-    Same verdict as ``simulate(...)`` followed by comparing its quantiles with the targets,
-    but it stops at the first request over budget: the quantile fixes how many requests
-    may miss (:func:`allowed_misses`), and misses only accumulate as the run goes on.
-    Dropped and timed-out requests count as misses of both targets.
-    """
-    _check_table(settings, exec_table)
-    n = sum(len(p) for p in parts)
-    budget = allowed_misses(n, targets.quantile)
-    lat_miss = 0
-    age_miss = 0
-    for arr in parts:
-        if not arr:
-            continue
-        left = budget - max(lat_miss, age_miss)
-        handled, origin = (front_end(arr, front_end_cost), arr) if front_end_cost > 0 else (arr, None)
-        got = _fast_misses(handled, settings, exec_table, targets, request_overhead, left, dispatch_delay, origin)
-        if got is None:
-            got = _exact_misses(handled, settings, exec_table, targets, request_overhead, dispatch_delay, origin)
-        lat_miss += got[0]
-        age_miss += got[1]
-        if lat_miss > budget or age_miss > budget:
-            return False
-    return True
