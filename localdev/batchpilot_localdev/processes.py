@@ -5,6 +5,10 @@ A process that starts children of its own (a control-plane component, Envoy, a r
 containerd, the kubelet) runs in a session of its own (``start_new_session=True``), so that a
 signal to its process group reaches them too: :func:`stop_group`, :func:`stop_groups`. One that
 does not (the operator, Prometheus, Toxiproxy) is signalled alone: :func:`stop_process`.
+
+By pid, as ``batchpilot up`` / ``down`` find what a stack left running: :func:`pid_alive`,
+:func:`cmdline`, :func:`processes_using` (every process naming a work directory) and
+:func:`stop_pids`.
 """
 
 from __future__ import annotations
@@ -15,6 +19,7 @@ import signal
 import subprocess
 import time
 from collections.abc import Iterable
+from pathlib import Path
 from typing import Any
 
 
@@ -65,3 +70,59 @@ def stop_groups(procs: Iterable[subprocess.Popen[Any]], timeout: float) -> None:
         except subprocess.TimeoutExpired:
             signal_group(proc, signal.SIGKILL)
             proc.wait()
+
+
+def pid_alive(pid: int | None) -> bool:
+    if not pid:
+        return False
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    # A zombie (exited, not yet reaped by its parent) is not running.
+    with contextlib.suppress(OSError):
+        stat = Path(f"/proc/{pid}/stat").read_text()
+        return stat.rsplit(")", 1)[1].split()[0] != "Z"
+    return True
+
+
+def cmdline(pid: int) -> str | None:
+    try:
+        argv = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
+    except OSError:
+        return None
+    return " ".join(a.decode(errors="replace") for a in argv if a)
+
+
+def processes_using(workdir: Path) -> list[tuple[int, str]]:
+    """Running processes (not this one) whose command line names ``workdir``.
+
+    Every part of the stack has the work directory in its arguments (configs, data, logs,
+    kubeconfig), so after ``down`` this list is empty; the tests check exactly that.
+    """
+    needle = str(workdir.resolve())
+    found: list[tuple[int, str]] = []
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit() or int(entry.name) == os.getpid():
+            continue
+        cmd = cmdline(int(entry.name))
+        if cmd is not None and needle in cmd and pid_alive(int(entry.name)):
+            found.append((int(entry.name), cmd))
+    return found
+
+
+def stop_pids(procs: list[tuple[int, str]], grace: float = 15.0) -> None:
+    """SIGTERM to each of ``procs`` (pid, command line), then SIGKILL to those still running
+    ``grace`` seconds later."""
+    for pid, _ in procs:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGTERM)
+    deadline = time.monotonic() + grace
+    while time.monotonic() < deadline and any(pid_alive(pid) for pid, _ in procs):
+        time.sleep(0.1)
+    for pid, _ in procs:
+        if pid_alive(pid):
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)

@@ -21,7 +21,6 @@ killed supervisor) is terminated too, so nothing is left running.
 from __future__ import annotations
 
 import argparse
-import contextlib
 import json
 import os
 import signal
@@ -36,7 +35,7 @@ from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
-from batchpilot_localdev.processes import stop_process
+from batchpilot_localdev.processes import cmdline, pid_alive, stop_pids, stop_process
 
 STATE_FILE = "state.json"
 LOAD_FILE = "load.json"
@@ -66,47 +65,6 @@ def read_json(path: Path) -> dict[str, Any] | None:
     return data if isinstance(data, dict) else None
 
 
-def pid_alive(pid: int | None) -> bool:
-    if not pid:
-        return False
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    # A zombie (exited, not yet reaped by its parent) is not running.
-    with contextlib.suppress(OSError):
-        stat = Path(f"/proc/{pid}/stat").read_text()
-        return stat.rsplit(")", 1)[1].split()[0] != "Z"
-    return True
-
-
-def _cmdline(pid: int) -> str | None:
-    try:
-        argv = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
-    except OSError:
-        return None
-    return " ".join(a.decode(errors="replace") for a in argv if a)
-
-
-def processes_using(workdir: Path) -> list[tuple[int, str]]:
-    """Running processes (not this one) whose command line names ``workdir``.
-
-    Every part of the stack has the work directory in its arguments (configs, data, logs,
-    kubeconfig), so after ``down`` this list is empty; the tests check exactly that.
-    """
-    needle = str(workdir.resolve())
-    found: list[tuple[int, str]] = []
-    for entry in Path("/proc").iterdir():
-        if not entry.name.isdigit() or int(entry.name) == os.getpid():
-            continue
-        cmd = _cmdline(int(entry.name))
-        if cmd is not None and needle in cmd and pid_alive(int(entry.name)):
-            found.append((int(entry.name), cmd))
-    return found
-
-
 def recorded_processes(workdir: Path, state: Mapping[str, Any] | None) -> list[tuple[int, str]]:
     """The supervisor and the parts a state file records that still run as the stack's.
 
@@ -121,7 +79,7 @@ def recorded_processes(workdir: Path, state: Mapping[str, Any] | None) -> list[t
     for pid in pids:
         if not isinstance(pid, int) or pid == os.getpid() or not pid_alive(pid):
             continue
-        cmd = _cmdline(pid)
+        cmd = cmdline(pid)
         if cmd is not None and needle in cmd:
             found.append((pid, cmd))
     return found
@@ -478,7 +436,7 @@ def up(
     leftovers = recorded_processes(workdir, previous)
     if leftovers:
         say(f"stopping {len(leftovers)} processes left over from an earlier stack in {workdir}")
-        _terminate(leftovers)
+        stop_pids(leftovers)
     workdir.mkdir(parents=True, exist_ok=True)
     for name in (STATE_FILE, LOAD_FILE):
         (workdir / name).unlink(missing_ok=True)
@@ -585,25 +543,12 @@ def down(workdir: Path, timeout: float, say: Callable[[str], None]) -> int:
     leftovers = recorded_processes(workdir, state)
     if leftovers:
         say(f"terminating {len(leftovers)} leftover processes: " + ", ".join(str(p) for p, _ in leftovers))
-        _terminate(leftovers)
+        stop_pids(leftovers)
     final = _state(workdir)
     if final is not None and final.get("phase") != "down":
         write_json(workdir / STATE_FILE, {**final, "phase": "down", "since": _now(), "parts": [], "load": {}})
     say("down: nothing of the stack is running")
     return 0
-
-
-def _terminate(procs: list[tuple[int, str]], grace: float = 15.0) -> None:
-    for pid, _ in procs:
-        with contextlib.suppress(ProcessLookupError):
-            os.kill(pid, signal.SIGTERM)
-    deadline = time.monotonic() + grace
-    while time.monotonic() < deadline and any(pid_alive(pid) for pid, _ in procs):
-        time.sleep(0.1)
-    for pid, _ in procs:
-        if pid_alive(pid):
-            with contextlib.suppress(ProcessLookupError):
-                os.kill(pid, signal.SIGKILL)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -19,7 +19,8 @@ from typing import Any
 import pytest
 
 import bptest
-from batchpilot_localdev.stack import pid_alive, processes_using, read_json
+from batchpilot_localdev.processes import pid_alive, processes_using
+from batchpilot_localdev.stack import read_json
 from bptest import REPO
 
 pytestmark = pytest.mark.slow
