@@ -261,98 +261,22 @@ def search(
     """
     started = time.perf_counter()
     targets = slo.targets()
-    overhead = profile.request_overhead
-    exec_limit = targets.latency - overhead
     notes: list[str] = []
-    sizes = list(batch_sizes) if batch_sizes is not None else default_batch_sizes(profile, max_batch, exec_limit)
-    if not sizes:
-        raise ValueError(
-            f"no batch size fits: even one row takes {profile.exec_time(1) * 1e3:.3g}ms "
-            f"(+{overhead * 1e3:.3g}ms overhead), over the p99 target {targets.latency * 1e3:.3g}ms "
-            f"(SLO less {slo.margin:.0%} margin)"
-        )
-    if max(sizes) > profile.max_batch_size:
-        notes.append(
-            f"batch sizes above {profile.max_batch_size} are extrapolated from the profile; "
-            "profile larger batches before trusting them"
-        )
-    max_window = min(targets.latency - profile.exec_time(1) - overhead, targets.queue_age)
-    grid = list(windows) if windows is not None else default_windows(max_window)
-    grid = [w for w in grid if w < request_timeout]
-    if not grid:
-        raise ValueError("no window fits under the SLO and the request timeout")
+    sizes, grid = _grid(profile, slo, targets, batch_sizes, windows, max_batch, request_timeout, notes)
     ev = _Evaluator(trace, profile, replicas, split, seed, quantile, max(sizes))
-    n = trace.count
     rate = target_rate if target_rate is not None else trace.mean_rate
-
     settings_list = [
         LaneSettings(b, w, max_queue_length=max_queue_length, request_timeout=request_timeout)
         for b in sizes
         for w in grid
     ]
-    uppers = {
-        s: rate_upper_bound(ev.table, s.max_batch_size, replicas, n, targets, ev.front_end) for s in settings_list
-    }
-    # Most promising first, so the threshold rises early and prunes the rest.
-    settings_list.sort(key=lambda s: (-uppers[s], -s.max_queue_delay))
-    results: list[CandidateResult] = []
-    best = 0.0
-    for s in settings_list:
-        threshold = best * (1 - tie_tolerance) if best > 0 and prune else None
-        if threshold is not None and uppers[s] < threshold:
-            results.append(CandidateResult(s, None, threshold, 0))
-            continue
-        cap, used = _capacity(ev, s, targets, uppers[s], threshold, rel_tol)
-        results.append(CandidateResult(s, cap, threshold, used))
-        if cap is not None and cap > best:
-            best = cap
-
-    # Contenders: within the tie tolerance of the best; verified, then the lowest p99 at target.
-    ranked = sorted(
-        (r for r in results if r.capacity is not None and r.capacity > 0),
-        key=lambda r: -(r.capacity or 0.0),
-    )
-    if not ranked:
-        raise ValueError("no setting meets the SLO even at a near-zero rate: relax the SLO or the margin")
-    chosen: CandidateResult | None = None
-    chosen_sim: SimResult | None = None
-    verified: list[float] = []
-    while ranked and chosen is None:
-        top_cap = ranked[0].capacity or 0.0
-        contenders = [r for r in ranked if (r.capacity or 0.0) >= top_cap * (1 - tie_tolerance)]
-        scored: list[tuple[float, float, CandidateResult, SimResult]] = []
-        for r in contenders:
-            sim = ev.run(r.settings, min(rate, r.capacity or rate))
-            scored.append((sim.latency_quantile(targets.quantile), -(r.capacity or 0.0), r, sim))
-        scored.sort(key=lambda x: (x[0], x[1]))
-        for _, _, r, sim in scored:
-            ladder = [(r.capacity or 0.0) * f for f in verify]
-            if all(ev.ok(r.settings, x, targets) for x in ladder):
-                chosen, chosen_sim, verified = r, sim, ladder
-                break
-            notes.append(
-                f"maxBatchSize={r.settings.max_batch_size} window={r.settings.max_queue_delay:g}s passed at "
-                f"{r.capacity:.4g} req/s but failed a lower rate: not monotone there, skipped"
-            )
-            ranked.remove(r)
-    if chosen is None or chosen_sim is None:
-        raise ValueError(
-            "no setting meets the SLO at every rate up to its capacity: each one that met it at some rate "
-            "missed it at a lower one ("
-            + ", ".join(
-                f"maxBatchSize {r.settings.max_batch_size} window {r.settings.max_queue_delay:g}s"
-                for r in results
-                if r.capacity
-            )
-            + "): relax the SLO or the margin"
-        )
+    results = _capacities(ev, settings_list, targets, trace.count, rel_tol, tie_tolerance, prune)
+    chosen, at_target, verified = _choose(ev, results, rate, targets, tie_tolerance, verify, notes)
     capacity = chosen.capacity or 0.0
-    at_target = chosen_sim
+    replicas_needed: int | None = None
     if rate > capacity:
         # Report the prediction at the requested rate itself, and how many replicas it needs.
         at_target = ev.run(chosen.settings, rate)
-    replicas_needed: int | None = None
-    if rate > capacity:
         notes.append(
             f"target rate {rate:.4g} req/s exceeds the predicted capacity {capacity:.4g} req/s "
             f"with {replicas} replica(s)"
@@ -373,6 +297,116 @@ def search(
         verified_rates=verified,
         replicas_needed=replicas_needed,
         notes=notes,
+    )
+
+
+def _grid(
+    profile: LatencyProfile,
+    slo: SLOTargets,
+    targets: Targets,
+    batch_sizes: Sequence[int] | None,
+    windows: Sequence[float] | None,
+    max_batch: int | None,
+    request_timeout: float,
+    notes: list[str],
+) -> tuple[list[int], list[float]]:
+    """The batch sizes and windows to try (the given ones, or the defaults the SLO leaves room
+    for); a note when a size is beyond the profile; ValueError when nothing fits."""
+    overhead = profile.request_overhead
+    exec_limit = targets.latency - overhead
+    sizes = list(batch_sizes) if batch_sizes is not None else default_batch_sizes(profile, max_batch, exec_limit)
+    if not sizes:
+        raise ValueError(
+            f"no batch size fits: even one row takes {profile.exec_time(1) * 1e3:.3g}ms "
+            f"(+{overhead * 1e3:.3g}ms overhead), over the p99 target {targets.latency * 1e3:.3g}ms "
+            f"(SLO less {slo.margin:.0%} margin)"
+        )
+    if max(sizes) > profile.max_batch_size:
+        notes.append(
+            f"batch sizes above {profile.max_batch_size} are extrapolated from the profile; "
+            "profile larger batches before trusting them"
+        )
+    max_window = min(targets.latency - profile.exec_time(1) - overhead, targets.queue_age)
+    grid = list(windows) if windows is not None else default_windows(max_window)
+    grid = [w for w in grid if w < request_timeout]
+    if not grid:
+        raise ValueError("no window fits under the SLO and the request timeout")
+    return sizes, grid
+
+
+def _capacities(
+    ev: _Evaluator,
+    settings_list: list[LaneSettings],
+    targets: Targets,
+    n: int,
+    rel_tol: float,
+    tie_tolerance: float,
+    prune: bool,
+) -> list[CandidateResult]:
+    """Every candidate's capacity, most promising first, so that the best so far rises early and
+    prunes (with ``prune``) each candidate whose upper bound cannot come within the tie tolerance."""
+    uppers = {
+        s: rate_upper_bound(ev.table, s.max_batch_size, ev.replicas, n, targets, ev.front_end) for s in settings_list
+    }
+    ordered = sorted(settings_list, key=lambda s: (-uppers[s], -s.max_queue_delay))
+    results: list[CandidateResult] = []
+    best = 0.0
+    for s in ordered:
+        threshold = best * (1 - tie_tolerance) if best > 0 and prune else None
+        if threshold is not None and uppers[s] < threshold:
+            results.append(CandidateResult(s, None, threshold, 0))
+            continue
+        cap, used = _capacity(ev, s, targets, uppers[s], threshold, rel_tol)
+        results.append(CandidateResult(s, cap, threshold, used))
+        if cap is not None and cap > best:
+            best = cap
+    return results
+
+
+def _choose(
+    ev: _Evaluator,
+    results: list[CandidateResult],
+    rate: float,
+    targets: Targets,
+    tie_tolerance: float,
+    verify: Sequence[float],
+    notes: list[str],
+) -> tuple[CandidateResult, SimResult, list[float]]:
+    """The recommendation among the contenders (within the tie tolerance of the best capacity):
+    the lowest p99 at the target rate whose SLO holds at every rate of the ``verify`` ladder
+    below its capacity; with its run at min(target, capacity) and the verified rates."""
+    ranked = sorted(
+        (r for r in results if r.capacity is not None and r.capacity > 0),
+        key=lambda r: -(r.capacity or 0.0),
+    )
+    if not ranked:
+        raise ValueError("no setting meets the SLO even at a near-zero rate: relax the SLO or the margin")
+    while ranked:
+        top_cap = ranked[0].capacity or 0.0
+        contenders = [r for r in ranked if (r.capacity or 0.0) >= top_cap * (1 - tie_tolerance)]
+        scored: list[tuple[float, float, CandidateResult, SimResult]] = []
+        for r in contenders:
+            sim = ev.run(r.settings, min(rate, r.capacity or rate))
+            scored.append((sim.latency_quantile(targets.quantile), -(r.capacity or 0.0), r, sim))
+        scored.sort(key=lambda x: (x[0], x[1]))
+        for _, _, r, sim in scored:
+            ladder = [(r.capacity or 0.0) * f for f in verify]
+            if all(ev.ok(r.settings, x, targets) for x in ladder):
+                return r, sim, ladder
+            notes.append(
+                f"maxBatchSize={r.settings.max_batch_size} window={r.settings.max_queue_delay:g}s passed at "
+                f"{r.capacity:.4g} req/s but failed a lower rate: not monotone there, skipped"
+            )
+            ranked.remove(r)
+    raise ValueError(
+        "no setting meets the SLO at every rate up to its capacity: each one that met it at some rate "
+        "missed it at a lower one ("
+        + ", ".join(
+            f"maxBatchSize {r.settings.max_batch_size} window {r.settings.max_queue_delay:g}s"
+            for r in results
+            if r.capacity
+        )
+        + "): relax the SLO or the margin"
     )
 
 
