@@ -35,10 +35,10 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "bench"))
 
 from batchpilot_localdev.cluster import LocalCluster  # noqa: E402
-from batchpilot_localdev.demo import start_operator  # noqa: E402
 from batchpilot_localdev.harness import RuntimeHarness  # noqa: E402
 from batchpilot_localdev.load import TraceReplay  # noqa: E402
 from batchpilot_localdev.prometheus import PrometheusServer  # noqa: E402
+from batchpilot_localdev.scenario import start_operator  # noqa: E402
 from batchpilot_operator.spec import parse_spec  # noqa: E402
 from canary_eval import make_trace  # noqa: E402
 

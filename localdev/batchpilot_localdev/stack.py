@@ -183,9 +183,9 @@ class Supervisor:
 
     def start(self) -> None:
         from batchpilot_localdev.cluster import REPO_ROOT, LocalCluster
-        from batchpilot_localdev.demo import start_operator
         from batchpilot_localdev.harness import RuntimeHarness
         from batchpilot_localdev.prometheus import PrometheusServer
+        from batchpilot_localdev.scenario import start_operator
 
         if self.real_node:
             self.start_real_node()
@@ -213,8 +213,8 @@ class Supervisor:
         the operator's pods run the runtime image), Prometheus finding them through Kubernetes
         service discovery, the operator."""
         from batchpilot_localdev.cluster import LocalCluster
-        from batchpilot_localdev.demo import start_operator
         from batchpilot_localdev.realnode import prepare_namespace, start_beside
+        from batchpilot_localdev.scenario import start_operator
 
         self.log("starting the local control plane (no kwok node)")
         self.cluster = LocalCluster.start(self.workdir / "cluster", gpu_nodes=0)

@@ -17,18 +17,16 @@ from rich.console import Console
 
 from batchpilot_localdev.demo import (
     BATCH,
-    CHANGES,
     LATENCY,
     QUEUE_AGE,
-    REAL_NODE_RESOURCES,
     THROUGHPUT,
-    Demo,
     ReportData,
     draw_report,
     stack_labels,
     summarize,
     summary_table,
 )
+from batchpilot_localdev.scenario import CHANGES, REAL_NODE_RESOURCES, Demo
 from batchpilot_operator.spec import parse_spec
 
 START = 1_800_000_000.0
