@@ -8,7 +8,8 @@ import json
 import urllib.request
 from typing import Any
 
-from batchpilot_localdev.realnode import POD_SUBNET, RUNTIME_IMAGE
+from batchpilot_localdev.nodehost import POD_SUBNET
+from batchpilot_localdev.nodeimages import RUNTIME_IMAGE
 from batchpilot_operator.children import LABEL_POLICY, LABEL_TRACK, RUNTIME_PORT
 from bptest import TINY_CANARY_POLICY, Kube
 

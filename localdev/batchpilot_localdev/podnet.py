@@ -33,7 +33,7 @@ from pathlib import Path
 log = logging.getLogger("batchpilot.podnet")
 LOOPBACK = ipaddress.ip_network("127.0.0.0/8")
 REAL_NODE_NET = ipaddress.ip_network("198.18.0.0/15")
-"""The real node's bridge (localdev/realnode.py PROJECT_NET): real pods, dialled directly."""
+"""The real node's bridge (localdev/nodehost.py PROJECT_NET): real pods, dialled directly."""
 
 
 def route_file(routes: Path, pod_ip: str, port: int) -> Path:

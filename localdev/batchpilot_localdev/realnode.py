@@ -52,7 +52,7 @@ from typing import IO, Any
 
 import yaml
 
-from batchpilot_localdev import free_port, podnet
+from batchpilot_localdev import free_port
 from batchpilot_localdev.cluster import (
     ADMIN_TOKEN,
     REPO_ROOT,
@@ -61,278 +61,45 @@ from batchpilot_localdev.cluster import (
     make_node_credentials,
     write_cert_kubeconfig,
 )
+from batchpilot_localdev.nodehost import (
+    BRIDGE,
+    CGROUP_ROOT,
+    NETNS_DIR,
+    NODE_IP,
+    cgroup_hierarchies,
+    cni_config,
+    containerd_config,
+    kubelet_config,
+    mounts_under,
+    netns_set,
+    remove_cgroup_tree,
+    shims,
+)
+from batchpilot_localdev.nodeimages import (
+    ALIASES,
+    BUILDAH,
+    CONTAINERD_ROOT,
+    IMPORTED,
+    NODE_BIN,
+    PAUSE_IMAGE,
+    PODMAN,
+    REGISTRY_RUNTIME_IMAGE,
+    RUNTIME_IMAGE,
+    RealNodeError,
+    ensure_images,
+    ensure_node_binaries,
+    images_env,
+    run_command,
+)
 from batchpilot_localdev.processes import stop_group
 from batchpilot_localdev.prometheus import KubernetesSD, PrometheusServer
 from batchpilot_operator.children import LABEL_POLICY, LABEL_REVISION, LABEL_TRACK, RUNTIME_PORT
 
 NODE_NAME = "bp-node-0"
-BRIDGE = "bp-br0"
-PROJECT_NET = podnet.REAL_NODE_NET
-"""The project's own addresses (RFC 2544 benchmarking range): the bridge, pods, Services."""
-POD_SUBNET = "198.18.0.0/24"
-NODE_IP = "198.18.0.1"
-PAUSE_IMAGE = "localhost/batchpilot/pause:3.10"
-CGROUP_ROOT = "batchpilot-node"
-CGROUP_FS = Path("/sys/fs/cgroup")
-NETNS_DIR = Path("/var/run/netns")
 CONTAINER_LOG_LINKS = Path("/var/log/containers")
 LOCK_FILE = Path("/run/batchpilot-realnode.lock")
 HOST_SYSCTLS = ("vm/overcommit_memory", "kernel/panic", "kernel/panic_on_oops", "net/ipv4/ip_forward")
 """What the kubelet (the first three) and the bridge plugin (forwarding) set on the host: put back on stop."""
-NODE_BIN = Path(os.environ.get("BATCHPILOT_NODE_BIN", REPO_ROOT / ".cache" / "node-bin"))
-CONTAINERD_ROOT = Path(os.environ.get("BATCHPILOT_CONTAINERD_ROOT", REPO_ROOT / ".cache" / "node" / "containerd"))
-ALIASES = CONTAINERD_ROOT.parent / "aliases.json"
-"""Second names given to images (:meth:`RealNode.alias`), to remove."""
-IMPORTED = CONTAINERD_ROOT.parent / "imported.json"
-"""podman's image ID of each image last imported into containerd's root."""
-CONTAINERS_CONF = REPO_ROOT / "hack" / "images" / "containers.conf"
-PODMAN = ["podman", "--storage-driver", "vfs", "--runtime", "runc"]
-BUILDAH = ["buildah", "--storage-driver", "vfs"]
-VERSION = next(
-    line.split('"')[1]
-    for line in (REPO_ROOT / "pyproject.toml").read_text().splitlines()
-    if line.startswith("version = ")
-)
-RUNTIME_IMAGE = f"localhost/batchpilot/runtime:{VERSION}"
-OPERATOR_IMAGE = f"localhost/batchpilot/operator:{VERSION}"
-REGISTRY_RUNTIME_IMAGE = f"ghcr.io/batchpilot/runtime:{VERSION}"
-"""The runtime image as the manifests name it (a registry would serve it)."""
-
-
-class RealNodeError(RuntimeError):
-    """The real node could not be set up or started; the message says which part and why."""
-
-
-def _run(
-    cmd: Sequence[str],
-    *,
-    check: bool = True,
-    timeout: float = 600,
-    env: dict[str, str] | None = None,
-    input: str | None = None,
-) -> subprocess.CompletedProcess[str]:
-    result = subprocess.run(
-        list(cmd), capture_output=True, text=True, timeout=timeout, check=False, env=env, input=input
-    )
-    if check and result.returncode != 0:
-        raise RealNodeError(f"{' '.join(cmd)} exited {result.returncode}: {result.stderr.strip()[-2000:]}")
-    return result
-
-
-def _images_env() -> dict[str, str]:
-    return {**os.environ, "CONTAINERS_CONF": os.environ.get("CONTAINERS_CONF", str(CONTAINERS_CONF))}
-
-
-def ensure_node_binaries() -> None:
-    """containerd, runc (apt), the CNI plugins and the pause binary (``hack/node/build.sh``), the
-    kubelet (``hack/k8s/build.sh``, with the control plane) and upstream Prometheus
-    (``hack/prometheus/build.sh``: Debian's has no Kubernetes service discovery); cheap when up to date."""
-    for script in ("k8s/build.sh", "node/build.sh", "prometheus/build.sh"):
-        result = subprocess.run(["bash", str(REPO_ROOT / "hack" / script)], check=False)
-        if result.returncode != 0:
-            raise RealNodeError(f"hack/{script} exited {result.returncode}")
-    missing = [
-        str(p) for p in (bin_dir() / "kubelet", NODE_BIN / "pause", NODE_BIN / "cni" / "bridge") if not p.exists()
-    ]
-    missing += [tool for tool in ("containerd", "runc", "ctr") if shutil.which(tool) is None]
-    if missing:
-        raise RealNodeError(f"real node parts missing after the builds: {missing}")
-
-
-def image_sources(kind: str) -> str:
-    """The hash of the sources of the ``operator`` or ``runtime`` image (``hack/images/source-hash.sh``)."""
-    return _run(["bash", str(REPO_ROOT / "hack" / "images" / "source-hash.sh"), kind]).stdout.strip()
-
-
-def stale_images(images: Sequence[str]) -> list[str]:
-    """Those of ``images`` (the operator's and the runtime's of ``make images``) that podman
-    lacks or built from other sources (their ``dev.batchpilot.source`` label, set by
-    ``hack/images.sh``, names another hash)."""
-    if shutil.which("podman") is None:
-        return list(images)
-    stale = []
-    for image in images:
-        kind = {RUNTIME_IMAGE: "runtime", OPERATOR_IMAGE: "operator"}.get(image)
-        if kind is None:
-            raise RealNodeError(f"{image} is none of the images of make images ({RUNTIME_IMAGE}, {OPERATOR_IMAGE})")
-        label = _run(
-            [*PODMAN, "image", "inspect", "--format", '{{index .Labels "dev.batchpilot.source"}}', image],
-            check=False,
-            env=_images_env(),
-        ).stdout.strip()
-        if label.split(" ", 1)[0] != image_sources(kind):
-            stale.append(image)
-    return stale
-
-
-def ensure_images(images: Sequence[str]) -> None:
-    """Build the images of ``make images`` (``hack/images.sh``, which rebuilds only what is
-    stale) when podman lacks one of ``images`` or has it from other sources: the real node runs
-    the code of the working tree, never an old image."""
-    stale = stale_images(images)
-    if stale:
-        result = subprocess.run(["bash", str(REPO_ROOT / "hack" / "images.sh")], check=False, env=_images_env())
-        if result.returncode != 0:
-            raise RealNodeError(f"hack/images.sh exited {result.returncode} (building {', '.join(stale)})")
-        still = stale_images(images)
-        if still:
-            raise RealNodeError(f"hack/images.sh left these images stale: {', '.join(still)}")
-
-
-def containerd_config(state: Path, socket: Path, cni_conf: Path) -> str:
-    return f"""version = 2
-root = "{CONTAINERD_ROOT}"
-state = "{state}"
-disabled_plugins = ["io.containerd.snapshotter.v1.aufs", "io.containerd.snapshotter.v1.btrfs",
-  "io.containerd.snapshotter.v1.zfs", "io.containerd.snapshotter.v1.devmapper",
-  "io.containerd.tracing.processor.v1.otlp", "io.containerd.internal.v1.tracing"]
-[grpc]
-  address = "{socket}"
-[ttrpc]
-  address = "{socket}.ttrpc"
-[debug]
-  address = "{state}/debug.sock"
-[metrics]
-  address = ""
-[plugins."io.containerd.grpc.v1.cri"]
-  sandbox_image = "{PAUSE_IMAGE}"
-  stream_server_address = "127.0.0.1"
-  stream_server_port = "0"
-  enable_selinux = false
-  disable_apparmor = true
-  # No CAP_SYS_RESOURCE here: a negative oom_score_adj is refused (see the module's doc).
-  restrict_oom_score_adj = true
-  [plugins."io.containerd.grpc.v1.cri".containerd]
-    snapshotter = "overlayfs"
-    default_runtime_name = "runc"
-    [plugins."io.containerd.grpc.v1.cri".containerd.runtimes.runc]
-      runtime_type = "io.containerd.runc.v2"
-      [plugins."io.containerd.grpc.v1.cri".containerd.runtimes.runc.options]
-        SystemdCgroup = false
-  [plugins."io.containerd.grpc.v1.cri".cni]
-    bin_dir = "{NODE_BIN / "cni"}"
-    conf_dir = "{cni_conf}"
-    max_conf_num = 1
-"""
-
-
-def cni_config(ipam_dir: Path) -> str:
-    """The bridge ``bp-br0`` (198.18.0.1) and host-local addresses from 198.18.0.0/24; the pods'
-    only route is 198.18.0.0/15 (no default gateway, no masquerade)."""
-    return json.dumps(
-        {
-            "cniVersion": "1.0.0",
-            "name": "batchpilot-pods",
-            "plugins": [
-                {
-                    "type": "bridge",
-                    "bridge": BRIDGE,
-                    "isGateway": True,
-                    "isDefaultGateway": False,
-                    "ipMasq": False,
-                    "hairpinMode": True,
-                    "ipam": {
-                        "type": "host-local",
-                        "dataDir": str(ipam_dir),
-                        "ranges": [[{"subnet": POD_SUBNET, "gateway": NODE_IP}]],
-                        "routes": [{"dst": str(PROJECT_NET)}],
-                    },
-                }
-            ],
-        },
-        indent=1,
-    )
-
-
-def kubelet_config(workdir: Path, ca: Path, socket: Path, port: int) -> str:
-    return f"""apiVersion: kubelet.config.k8s.io/v1beta1
-kind: KubeletConfiguration
-cgroupDriver: cgroupfs
-cgroupRoot: /{CGROUP_ROOT}
-failSwapOn: false
-address: {NODE_IP}
-port: {port}
-readOnlyPort: 0
-healthzBindAddress: 127.0.0.1
-healthzPort: 0
-authentication:
-  anonymous: {{enabled: false}}
-  webhook: {{enabled: false}}
-  x509: {{clientCAFile: {ca}}}
-authorization: {{mode: AlwaysAllow}}
-resolvConf: ""
-podLogsDir: {workdir / "pod-logs"}
-containerRuntimeEndpoint: unix://{socket}
-imageGCHighThresholdPercent: 100
-imageGCLowThresholdPercent: 99
-evictionHard: {{memory.available: "100Mi", nodefs.available: "1%", imagefs.available: "1%"}}
-maxPods: 40
-serializeImagePulls: false
-nodeStatusUpdateFrequency: 2s
-syncFrequency: 5s
-"""
-
-
-def _cgroup_hierarchies(*, unified: bool = False) -> list[Path]:
-    """The mounted cgroup v1 hierarchies (``/sys/fs/cgroup/<name>``); with ``unified``, also the
-    cgroup2 one of a hybrid host (``/sys/fs/cgroup/unified``: runc makes the pods' cgroups there too)."""
-    kinds = {"cgroup", "cgroup2"} if unified else {"cgroup"}
-    found = []
-    for line in Path("/proc/self/mounts").read_text().splitlines():
-        parts = line.split()
-        if len(parts) > 2 and parts[2] in kinds and parts[1].startswith(f"{CGROUP_FS}/"):
-            found.append(Path(parts[1]))
-    return found
-
-
-def _remove_cgroup_tree(root: Path, timeout: float = 20.0) -> list[str]:
-    """rmdir ``root`` and every cgroup below it, deepest first (killing what is left in them)."""
-    deadline = time.monotonic() + timeout
-    while True:
-        left: list[str] = []
-        dirs = sorted((p for p in root.rglob("*") if p.is_dir()), key=lambda p: -len(p.parts)) if root.exists() else []
-        for d in [*dirs, root]:
-            if not d.exists():
-                continue
-            with contextlib.suppress(OSError):
-                for pid in (d / "cgroup.procs").read_text().split():
-                    with contextlib.suppress(ProcessLookupError, ValueError):
-                        os.kill(int(pid), signal.SIGKILL)
-            try:
-                d.rmdir()
-            except OSError as exc:
-                left.append(f"{d}: {exc}")
-        if not left or time.monotonic() > deadline:
-            return left
-        time.sleep(0.2)
-
-
-def _mounts_under(*roots: Path) -> list[str]:
-    points = []
-    for line in Path("/proc/self/mountinfo").read_text().splitlines():
-        point = line.split()[4].replace("\\040", " ")
-        if any(point == str(r) or point.startswith(f"{r}/") for r in roots):
-            points.append(point)
-    return points
-
-
-def _shims(socket: Path) -> list[int]:
-    """The containerd shims started by the containerd listening on ``socket``."""
-    pids = []
-    for proc in Path("/proc").iterdir():
-        if not proc.name.isdigit():
-            continue
-        try:
-            argv = (proc / "cmdline").read_bytes().split(b"\0")
-        except OSError:
-            continue
-        if argv and argv[0].endswith(b"containerd-shim-runc-v2") and str(socket).encode() in argv:
-            pids.append(int(proc.name))
-    return pids
-
-
-def _netns_set() -> set[str]:
-    return {p.name for p in NETNS_DIR.iterdir()} if NETNS_DIR.exists() else set()
 
 
 @dataclass
@@ -395,7 +162,7 @@ class RealNode:
         try:
             node._cleanup_host()  # what a run that died left: bridge, cgroups
             node.sysctls = {k: (Path("/proc/sys") / k).read_text().strip() for k in HOST_SYSCTLS}
-            node.netns_before = _netns_set()
+            node.netns_before = netns_set()
             node._setup_host()
             node._start_containerd()
             node._import_pause()
@@ -412,10 +179,10 @@ class RealNode:
 
     # ---- host set-up -------------------------------------------------------------------
     def _setup_host(self) -> None:
-        _run(["ip", "link", "add", BRIDGE, "type", "bridge"])
-        _run(["ip", "addr", "add", f"{NODE_IP}/24", "dev", BRIDGE])
-        _run(["ip", "link", "set", BRIDGE, "up"])
-        for hierarchy in _cgroup_hierarchies():
+        run_command(["ip", "link", "add", BRIDGE, "type", "bridge"])
+        run_command(["ip", "addr", "add", f"{NODE_IP}/24", "dev", BRIDGE])
+        run_command(["ip", "link", "set", BRIDGE, "up"])
+        for hierarchy in cgroup_hierarchies():
             (hierarchy / CGROUP_ROOT).mkdir(exist_ok=True)
         for d in ("net.d", "cni-ipam", "kubelet", "pki", "pod-logs"):
             (self.workdir / d).mkdir(exist_ok=True)
@@ -423,12 +190,12 @@ class RealNode:
 
     def _cleanup_host(self) -> list[str]:
         problems: list[str] = []
-        if _run(["ip", "link", "show", BRIDGE], check=False).returncode == 0:
-            result = _run(["ip", "link", "delete", BRIDGE], check=False)
+        if run_command(["ip", "link", "show", BRIDGE], check=False).returncode == 0:
+            result = run_command(["ip", "link", "delete", BRIDGE], check=False)
             if result.returncode != 0:
                 problems.append(f"ip link delete {BRIDGE}: {result.stderr.strip()}")
-        for hierarchy in _cgroup_hierarchies(unified=True):
-            problems += _remove_cgroup_tree(hierarchy / CGROUP_ROOT)
+        for hierarchy in cgroup_hierarchies(unified=True):
+            problems += remove_cgroup_tree(hierarchy / CGROUP_ROOT)
         return problems
 
     # ---- containerd --------------------------------------------------------------------
@@ -478,7 +245,9 @@ class RealNode:
         """Copy ``image`` from podman's store into containerd, unless containerd has the very
         image podman has (podman's image ID, recorded in :data:`IMPORTED` at its import: the
         docker archive gives the image another config digest in containerd)."""
-        image_id = _run([*PODMAN, "image", "inspect", "--format", "{{.Id}}", image], env=_images_env()).stdout.strip()
+        image_id = run_command(
+            [*PODMAN, "image", "inspect", "--format", "{{.Id}}", image], env=images_env()
+        ).stdout.strip()
         try:
             imported = json.loads(IMPORTED.read_text())
         except (OSError, ValueError):
@@ -488,7 +257,7 @@ class RealNode:
         t0 = time.monotonic()
         with tempfile.TemporaryFile() as archive:
             save = subprocess.run(
-                [*PODMAN, "save", image], stdout=archive, stderr=subprocess.PIPE, env=_images_env(), check=False
+                [*PODMAN, "save", image], stdout=archive, stderr=subprocess.PIPE, env=images_env(), check=False
             )
             if save.returncode != 0:
                 raise RealNodeError(f"podman save {image}: {save.stderr.decode()[-2000:]}")
@@ -522,14 +291,14 @@ class RealNode:
     def _import_pause(self) -> None:
         if self.has_image(PAUSE_IMAGE):
             return
-        env = _images_env()
-        ctr = _run([*BUILDAH, "from", "scratch"], env=env).stdout.strip()
+        env = images_env()
+        ctr = run_command([*BUILDAH, "from", "scratch"], env=env).stdout.strip()
         try:
-            _run([*BUILDAH, "copy", ctr, str(NODE_BIN / "pause"), "/pause"], env=env)
-            _run([*BUILDAH, "config", "--entrypoint", '["/pause"]', "--user", "65535:65535", ctr], env=env)
-            _run([*BUILDAH, "commit", "--quiet", "--rm", ctr, PAUSE_IMAGE], env=env)
+            run_command([*BUILDAH, "copy", ctr, str(NODE_BIN / "pause"), "/pause"], env=env)
+            run_command([*BUILDAH, "config", "--entrypoint", '["/pause"]', "--user", "65535:65535", ctr], env=env)
+            run_command([*BUILDAH, "commit", "--quiet", "--rm", ctr, PAUSE_IMAGE], env=env)
         except BaseException:
-            _run([*BUILDAH, "rm", ctr], check=False, env=env)
+            run_command([*BUILDAH, "rm", ctr], check=False, env=env)
             raise
         self.import_image(PAUSE_IMAGE)
 
@@ -564,7 +333,7 @@ class RealNode:
 
     def kubectl(self, *args: str, check: bool = True, input: str | None = None) -> str:
         cmd = [str(self.kubectl_bin), f"--kubeconfig={self.kubeconfig}", *args]
-        return _run(cmd, check=check, timeout=60, input=input).stdout
+        return run_command(cmd, check=check, timeout=60, input=input).stdout
 
     def _node_ready(self) -> bool:
         out = self.kubectl(
@@ -623,16 +392,16 @@ class RealNode:
                 problems.append(f"removing containers: {exc}")
         self._stop_process("containerd")
         # A shim (one per pod) outlives containerd when its task could not be deleted.
-        for pid in _shims(self.socket):
+        for pid in shims(self.socket):
             with contextlib.suppress(ProcessLookupError):
                 os.kill(pid, signal.SIGKILL)
-        for point in reversed(_mounts_under(self.workdir, self.state, CONTAINERD_ROOT)):
-            result = _run(["umount", "--lazy", point], check=False)
+        for point in reversed(mounts_under(self.workdir, self.state, CONTAINERD_ROOT)):
+            result = run_command(["umount", "--lazy", point], check=False)
             if result.returncode != 0:
                 problems.append(f"umount {point}: {result.stderr.strip()}")
-        for name in sorted(_netns_set() - self.netns_before):
+        for name in sorted(netns_set() - self.netns_before):
             if name.startswith("cni-"):
-                _run(["umount", "--lazy", str(NETNS_DIR / name)], check=False)
+                run_command(["umount", "--lazy", str(NETNS_DIR / name)], check=False)
                 with contextlib.suppress(OSError):
                     (NETNS_DIR / name).unlink()
         problems += self._cleanup_host()

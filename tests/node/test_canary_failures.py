@@ -11,7 +11,8 @@ from typing import Any
 
 import pytest
 
-from batchpilot_localdev.realnode import RUNTIME_IMAGE, RealNode
+from batchpilot_localdev.nodeimages import RUNTIME_IMAGE
+from batchpilot_localdev.realnode import RealNode
 from bpnode import events, infer, pod_ip, pods, ready_pods, real_policy
 from bptest import NO_PROMETHEUS, Kube, policy_status, start_operator, wait_policy_status
 

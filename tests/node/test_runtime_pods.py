@@ -19,7 +19,8 @@ import pytest
 from kubernetes import client, config, watch
 
 from batchpilot_localdev.load import TraceReplay
-from batchpilot_localdev.realnode import NODE_NAME, RUNTIME_IMAGE, PodEndpoints, RealNode
+from batchpilot_localdev.nodeimages import RUNTIME_IMAGE
+from batchpilot_localdev.realnode import NODE_NAME, PodEndpoints, RealNode
 from batchpilot_operator.children import RUNTIME_PORT
 from bpnode import infer, is_ready, pod_ip, pods, ready_pods, real_policy
 from bptest import NO_PROMETHEUS, Kube, policy_status, start_operator

@@ -15,7 +15,7 @@ import pytest
 import yaml
 
 import bptest
-from batchpilot_localdev.realnode import BRIDGE
+from batchpilot_localdev.nodehost import BRIDGE
 from bpnode import real_policy
 
 pytestmark = [pytest.mark.cluster, pytest.mark.realnode, pytest.mark.prometheus, pytest.mark.slow]
