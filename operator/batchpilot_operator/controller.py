@@ -240,17 +240,10 @@ def execute(
     up, the Services, the route's weights (``traffic``), and only then a canary scaled away.
     """
     meta = body["metadata"]
-    name, namespace, uid = meta["name"], meta["namespace"], meta["uid"]
+    name, namespace = meta["name"], meta["namespace"]
     reader = reader or kube
-    writes = 0
-    status_written = False
-    new_status = decision.status.to_dict()
-    if decision.status.current_step_index is not None and decision.status.step_count:
-        new_status["stepLabel"] = f"{decision.status.current_step_index + 1}/{decision.status.step_count}"
-    if not same_json(new_status, body.get("status") or {}):
-        kube.replace_status(namespace, name, meta["resourceVersion"], new_status)
-        writes += 1
-        status_written = True
+    status_written = _write_status(kube, body, decision)
+    writes = int(status_written)
     if announce is not None:
         announce()
     if status_written:
@@ -267,17 +260,62 @@ def execute(
         if LABEL_REVISION in (cm["metadata"].get("labels") or {})
     }
     needed = [decision.stable_revision] + ([decision.canary_revision] if decision.canary_revision else [])
+    writes += _write_configmaps(kube, body, spec, needed, configmaps)
+    writes += _write_deployments(kube, body, spec, decision, deployments, status_written)
+    service = children.build_service(name, namespace, meta["uid"])
+    writes += kube.apply(service, reader.get("v1", "Service", namespace, name))
+    routing = spec.rollout.traffic_routing
+    if routing is not None:
+        writes += write_route(kube, reader, body, routing, decision, route)
+    if not (decision.canary_revision and decision.canary_replicas > 0) and deployments["canary"] is not None:
+        writes += kube.delete("apps/v1", "Deployment", namespace, children.deployment_name(name, "canary"))
+    writes += _prune_configmaps(kube, namespace, decision, needed, deployments, configmaps)
+    return writes
+
+
+def _write_status(kube: Kube, body: dict[str, Any], decision: Decision) -> bool:
+    """Replace the policy's status with the decision's, unless it is the same; whether it wrote."""
+    meta = body["metadata"]
+    new_status = decision.status.to_dict()
+    if decision.status.current_step_index is not None and decision.status.step_count:
+        new_status["stepLabel"] = f"{decision.status.current_step_index + 1}/{decision.status.step_count}"
+    if same_json(new_status, body.get("status") or {}):
+        return False
+    kube.replace_status(meta["namespace"], meta["name"], meta["resourceVersion"], new_status)
+    return True
+
+
+def _write_configmaps(
+    kube: Kube, body: dict[str, Any], spec: PolicySpec, needed: list[str], configmaps: dict[str, Manifest]
+) -> int:
+    """Create the ConfigMap of each needed revision that has none (before any Deployment mounts it)."""
+    meta = body["metadata"]
+    writes = 0
     for revision in needed:
         if revision in configmaps:
             # Immutable and named by its content hash: an existing one is final. (Rebuilt from
             # the current spec, the stable revision's ConfigMap would differ mid-canary, and
             # applying it would only be refused, once per reconcile.)
             continue
-        manifest = children.build_configmap(name, namespace, uid, spec, revision)
+        manifest = children.build_configmap(meta["name"], meta["namespace"], meta["uid"], spec, revision)
         if kube.apply(manifest, None):
             writes += 1
             crashpoints.reached("configmap-written")
+    return writes
 
+
+def _write_deployments(
+    kube: Kube,
+    body: dict[str, Any],
+    spec: PolicySpec,
+    decision: Decision,
+    deployments: dict[Track, Manifest | None],
+    status_written: bool,
+) -> int:
+    """Apply the stable's Deployment, then the canary's while the decision runs one (scaled up
+    before the Services and the route send it traffic; scaled away only after them)."""
+    meta = body["metadata"]
+    name, namespace, uid = meta["name"], meta["namespace"], meta["uid"]
     stable = children.build_deployment(
         name,
         namespace,
@@ -296,7 +334,7 @@ def execute(
     ):
         # The spec's pod fields belong to the canary: the stable keeps what it runs.
         stable = children.keep_running_pod_fields(stable, deployments["stable"])
-    writes += kube.apply(stable, deployments["stable"])
+    writes = int(kube.apply(stable, deployments["stable"]))
     if "Promoted" in decision.rollout_outcomes and status_written:
         crashpoints.reached("promotion-half-done")
     if decision.canary_revision and decision.canary_replicas > 0:
@@ -316,21 +354,25 @@ def execute(
         writes += created
         if created and deployments["canary"] is None:
             crashpoints.reached("canary-created")
+    return writes
 
-    service = children.build_service(name, namespace, uid)
-    writes += kube.apply(service, reader.get("v1", "Service", namespace, name))
-    routing = spec.rollout.traffic_routing
-    if routing is not None:
-        writes += write_route(kube, reader, body, routing, decision, route)
 
-    if not (decision.canary_revision and decision.canary_replicas > 0) and deployments["canary"] is not None:
-        writes += kube.delete("apps/v1", "Deployment", namespace, children.deployment_name(name, "canary"))
-
+def _prune_configmaps(
+    kube: Kube,
+    namespace: str,
+    decision: Decision,
+    needed: list[str],
+    deployments: dict[Track, Manifest | None],
+    configmaps: dict[str, Manifest],
+) -> int:
+    """Delete the ConfigMaps of revisions that no Deployment runs, as observed before this
+    reconcile's writes, and that the decision neither needs nor keeps."""
     keep = set(decision.keep_revisions) | set(needed)
-    for deployment in deployments.values():  # as observed before this reconcile's writes
+    for deployment in deployments.values():
         running = observe_track(deployment)
         if running is not None and running.revision is not None:
             keep.add(running.revision)
+    writes = 0
     for revision, cm in configmaps.items():
         if revision not in keep:
             writes += kube.delete("v1", "ConfigMap", namespace, cm["metadata"]["name"])
