@@ -312,154 +312,207 @@ class LocalCluster:
         nothing routes them: there is no kube-proxy)."""
         directory = ensure_binaries()
         t0 = time.monotonic()
+        workdir = cls._fresh_workdir(workdir)
+        cls._make_credentials(workdir)
+        api_port, etcd_port, etcd_peer = free_port(), free_port(), free_port()
+        cluster = cls._with_kubeconfig(workdir, directory, api_port)
+        podnet_socket = cluster._write_egress_selector()
+        audit_args = cluster._audit_args(audit)
+        try:
+            cluster._start_podnet(podnet_socket)
+            cluster._start_etcd(etcd_port, etcd_peer)
+            cluster._start_apiserver(api_port, etcd_port, service_cidr, audit_args)
+            cluster.wait_ready(timeout)
+            cluster._start_controllers(controller_qps, node_monitor_grace_period)
+            cluster._start_kwok(pod_cidr, node_lease_seconds)
+            cluster._add_gpu_nodes(gpu_nodes, gpus_per_node, pods_per_node, timeout)
+        except BaseException:
+            cluster.stop()
+            raise
+        cluster.started_in = time.monotonic() - t0
+        return cluster
+
+    # ---- start's phases, in order ------------------------------------------------------
+    @staticmethod
+    def _fresh_workdir(workdir: Path) -> Path:
+        """``workdir`` resolved and emptied (a previous cluster's is removed), with ``logs/``."""
         workdir = workdir.resolve()
         if workdir.exists():
             shutil.rmtree(workdir)
         (workdir / "logs").mkdir(parents=True)
+        return workdir
+
+    @staticmethod
+    def _make_credentials(workdir: Path) -> None:
+        """The CA and the components' certificates (``pki/``) and the admin's token (``tokens.csv``)."""
         pki = workdir / "pki"
         make_pki(pki)
         (workdir / "tokens.csv").write_text(f'{ADMIN_TOKEN},admin,admin-uid,"system:masters"\n')
-        api_port, etcd_port, etcd_peer = free_port(), free_port(), free_port()
+
+    @classmethod
+    def _with_kubeconfig(cls, workdir: Path, directory: Path, api_port: int) -> LocalCluster:
+        """The cluster of the apiserver to come on ``api_port``, its admin kubeconfig written."""
+        pki = workdir / "pki"
         server = f"https://127.0.0.1:{api_port}"
         kubeconfig = workdir / "kubeconfig"
         write_kubeconfig(kubeconfig, server, pki / "ca.crt", ADMIN_TOKEN)
-        cluster = cls(workdir=workdir, server=server, kubeconfig=kubeconfig, bin_dir=directory)
+        return cls(workdir=workdir, server=server, kubeconfig=kubeconfig, bin_dir=directory)
+
+    def _write_egress_selector(self) -> Path:
+        """The apiserver's egress selector (its connections to pods go through the pod network's
+        socket); returns that socket's path."""
+        workdir = self.workdir
         podnet_socket = workdir / "podnet.sock"
         if len(str(podnet_socket)) > 100:  # a Unix socket path has at most 107 bytes
             podnet_socket = Path(tempfile.mkdtemp(prefix="bp-podnet-")) / "podnet.sock"
         (workdir / "egress-selector.yaml").write_text(egress_selector_config(podnet_socket))
+        return podnet_socket
+
+    def _audit_args(self, audit: bool) -> list[str]:
+        """The apiserver's audit flags (its policy written) with ``audit``, else none."""
+        workdir = self.workdir
         audit_args: list[str] = []
         if audit:
             (workdir / "audit-policy.yaml").write_text(AUDIT_POLICY)
             audit_args = [
                 f"--audit-policy-file={workdir / 'audit-policy.yaml'}",
-                f"--audit-log-path={cluster.audit_log}",
+                f"--audit-log-path={self.audit_log}",
                 "--audit-log-format=json",
                 "--audit-log-maxsize=500",
                 "--audit-log-maxbackup=1",
                 "--audit-log-mode=batch",
                 "--audit-log-batch-max-wait=1s",
             ]
-        try:
-            cluster._spawn(
-                "podnet",
-                ["--socket", str(podnet_socket), "--routes", str(workdir / POD_ROUTES)],
-                command=[sys.executable, "-m", "batchpilot_localdev.podnet"],
-            )
-            cluster._spawn(
-                "etcd",
+        return audit_args
+
+    def _start_podnet(self, podnet_socket: Path) -> None:
+        self._spawn(
+            "podnet",
+            ["--socket", str(podnet_socket), "--routes", str(self.workdir / POD_ROUTES)],
+            command=[sys.executable, "-m", "batchpilot_localdev.podnet"],
+        )
+
+    def _start_etcd(self, etcd_port: int, etcd_peer: int) -> None:
+        self._spawn(
+            "etcd",
+            [
+                "--name=local",
+                f"--data-dir={self.workdir / 'etcd'}",
+                f"--listen-client-urls=http://127.0.0.1:{etcd_port}",
+                f"--advertise-client-urls=http://127.0.0.1:{etcd_port}",
+                f"--listen-peer-urls=http://127.0.0.1:{etcd_peer}",
+                f"--initial-advertise-peer-urls=http://127.0.0.1:{etcd_peer}",
+                f"--initial-cluster=local=http://127.0.0.1:{etcd_peer}",
+                "--unsafe-no-fsync",
+                "--quota-backend-bytes=2147483648",
+                "--log-level=warn",
+            ],
+        )
+
+    def _start_apiserver(self, api_port: int, etcd_port: int, service_cidr: str, audit_args: list[str]) -> None:
+        workdir = self.workdir
+        pki = workdir / "pki"
+        self._spawn(
+            "kube-apiserver",
+            [
+                f"--etcd-servers=http://127.0.0.1:{etcd_port}",
+                "--bind-address=127.0.0.1",
+                "--advertise-address=127.0.0.1",
+                f"--secure-port={api_port}",
+                f"--tls-cert-file={pki / 'apiserver.crt'}",
+                f"--tls-private-key-file={pki / 'apiserver.key'}",
+                f"--client-ca-file={pki / 'ca.crt'}",
+                f"--token-auth-file={workdir / 'tokens.csv'}",
+                "--service-account-issuer=https://kubernetes.default.svc",
+                f"--service-account-key-file={pki / 'sa.pub'}",
+                f"--service-account-signing-key-file={pki / 'sa.key'}",
+                f"--service-cluster-ip-range={service_cidr}",
+                # Node: a real node's kubelet (localdev/realnode.py) acts as system:node:<name>.
+                "--authorization-mode=Node,RBAC",
+                "--allow-privileged=true",
+                "--enable-priority-and-fairness=false",
+                "--profiling=false",
+                "--disable-admission-plugins=ServiceAccount",
+                "--enable-admission-plugins=NodeRestriction",
+                "--endpoint-reconciler-type=none",
+                f"--egress-selector-config-file={workdir / 'egress-selector.yaml'}",
+                "--v=1",
+                *audit_args,
+            ],
+        )
+
+    def _start_controllers(self, controller_qps: int | None, node_monitor_grace_period: int | None) -> None:
+        """The controller-manager and the scheduler."""
+        for name in ("kube-controller-manager", "kube-scheduler"):
+            extra = (
                 [
-                    "--name=local",
-                    f"--data-dir={workdir / 'etcd'}",
-                    f"--listen-client-urls=http://127.0.0.1:{etcd_port}",
-                    f"--advertise-client-urls=http://127.0.0.1:{etcd_port}",
-                    f"--listen-peer-urls=http://127.0.0.1:{etcd_peer}",
-                    f"--initial-advertise-peer-urls=http://127.0.0.1:{etcd_peer}",
-                    f"--initial-cluster=local=http://127.0.0.1:{etcd_peer}",
-                    "--unsafe-no-fsync",
-                    "--quota-backend-bytes=2147483648",
-                    "--log-level=warn",
-                ],
+                    f"--controllers={CONTROLLERS}",
+                    "--use-service-account-credentials=false",
+                    "--concurrent-deployment-syncs=10",
+                    "--concurrent-replicaset-syncs=10",
+                    *(
+                        [f"--node-monitor-grace-period={node_monitor_grace_period}s", "--node-monitor-period=1s"]
+                        if node_monitor_grace_period
+                        else []
+                    ),
+                ]
+                if name == "kube-controller-manager"
+                else []
             )
-            cluster._spawn(
-                "kube-apiserver",
+            self._spawn(
+                name,
                 [
-                    f"--etcd-servers=http://127.0.0.1:{etcd_port}",
+                    f"--kubeconfig={self.kubeconfig}",
+                    "--leader-elect=false",
                     "--bind-address=127.0.0.1",
-                    "--advertise-address=127.0.0.1",
-                    f"--secure-port={api_port}",
-                    f"--tls-cert-file={pki / 'apiserver.crt'}",
-                    f"--tls-private-key-file={pki / 'apiserver.key'}",
-                    f"--client-ca-file={pki / 'ca.crt'}",
-                    f"--token-auth-file={workdir / 'tokens.csv'}",
-                    "--service-account-issuer=https://kubernetes.default.svc",
-                    f"--service-account-key-file={pki / 'sa.pub'}",
-                    f"--service-account-signing-key-file={pki / 'sa.key'}",
-                    f"--service-cluster-ip-range={service_cidr}",
-                    # Node: a real node's kubelet (localdev/realnode.py) acts as system:node:<name>.
-                    "--authorization-mode=Node,RBAC",
-                    "--allow-privileged=true",
-                    "--enable-priority-and-fairness=false",
-                    "--profiling=false",
-                    "--disable-admission-plugins=ServiceAccount",
-                    "--enable-admission-plugins=NodeRestriction",
-                    "--endpoint-reconciler-type=none",
-                    f"--egress-selector-config-file={workdir / 'egress-selector.yaml'}",
-                    "--v=1",
-                    *audit_args,
+                    "--secure-port=0",
+                    *extra,
+                    *(
+                        [f"--kube-api-qps={controller_qps}", f"--kube-api-burst={2 * controller_qps}"]
+                        if controller_qps
+                        else []
+                    ),
                 ],
             )
-            cluster.wait_ready(timeout)
-            for name in ("kube-controller-manager", "kube-scheduler"):
-                extra = (
-                    [
-                        f"--controllers={CONTROLLERS}",
-                        "--use-service-account-credentials=false",
-                        "--concurrent-deployment-syncs=10",
-                        "--concurrent-replicaset-syncs=10",
-                        *(
-                            [f"--node-monitor-grace-period={node_monitor_grace_period}s", "--node-monitor-period=1s"]
-                            if node_monitor_grace_period
-                            else []
-                        ),
-                    ]
-                    if name == "kube-controller-manager"
-                    else []
+
+    def _start_kwok(self, pod_cidr: str, node_lease_seconds: int) -> None:
+        self._spawn(
+            "kwok",
+            [
+                f"--kubeconfig={self.kubeconfig}",
+                "--manage-all-nodes=false",
+                "--manage-nodes-with-annotation-selector=kwok.x-k8s.io/node=fake",
+                "--manage-nodes-with-label-selector=",
+                "--disregard-status-with-annotation-selector=kwok.x-k8s.io/status=custom",
+                f"--cidr={pod_cidr}",
+                "--node-ip=10.0.0.1",
+                f"--node-lease-duration-seconds={node_lease_seconds}",
+                f"--server-address=127.0.0.1:{free_port()}",
+            ],
+        )
+
+    def _add_gpu_nodes(self, gpu_nodes: int, gpus_per_node: int, pods_per_node: int, timeout: float) -> None:
+        """``gpu_nodes`` fake nodes for kwok, and the wait until every one is Ready."""
+        nodes = "---\n".join(
+            gpu_node_manifest(f"gpu-node-{i}", gpus=gpus_per_node, pods=pods_per_node) for i in range(gpu_nodes)
+        )
+        if gpu_nodes:  # none for a cluster whose only node is a real kubelet (localdev/realnode.py)
+            self.kubectl("apply", "-f", "-", input=nodes)
+        self.wait_for(
+            lambda: (
+                self.kubectl(
+                    "get",
+                    "nodes",
+                    "-o",
+                    "jsonpath={.items[*].status.conditions[?(@.type=='Ready')].status}",
                 )
-                cluster._spawn(
-                    name,
-                    [
-                        f"--kubeconfig={kubeconfig}",
-                        "--leader-elect=false",
-                        "--bind-address=127.0.0.1",
-                        "--secure-port=0",
-                        *extra,
-                        *(
-                            [f"--kube-api-qps={controller_qps}", f"--kube-api-burst={2 * controller_qps}"]
-                            if controller_qps
-                            else []
-                        ),
-                    ],
-                )
-            cluster._spawn(
-                "kwok",
-                [
-                    f"--kubeconfig={kubeconfig}",
-                    "--manage-all-nodes=false",
-                    "--manage-nodes-with-annotation-selector=kwok.x-k8s.io/node=fake",
-                    "--manage-nodes-with-label-selector=",
-                    "--disregard-status-with-annotation-selector=kwok.x-k8s.io/status=custom",
-                    f"--cidr={pod_cidr}",
-                    "--node-ip=10.0.0.1",
-                    f"--node-lease-duration-seconds={node_lease_seconds}",
-                    f"--server-address=127.0.0.1:{free_port()}",
-                ],
-            )
-            nodes = "---\n".join(
-                gpu_node_manifest(f"gpu-node-{i}", gpus=gpus_per_node, pods=pods_per_node) for i in range(gpu_nodes)
-            )
-            if gpu_nodes:  # none for a cluster whose only node is a real kubelet (localdev/realnode.py)
-                cluster.kubectl("apply", "-f", "-", input=nodes)
-            cluster.wait_for(
-                lambda: (
-                    cluster.kubectl(
-                        "get",
-                        "nodes",
-                        "-o",
-                        "jsonpath={.items[*].status.conditions[?(@.type=='Ready')].status}",
-                    )
-                    .split()
-                    .count("True")
-                    == gpu_nodes
-                ),
-                timeout,
-                "fake GPU nodes to become Ready",
-            )
-        except BaseException:
-            cluster.stop()
-            raise
-        cluster.started_in = time.monotonic() - t0
-        return cluster
+                .split()
+                .count("True")
+                == gpu_nodes
+            ),
+            timeout,
+            "fake GPU nodes to become Ready",
+        )
 
     @property
     def audit_log(self) -> Path:
