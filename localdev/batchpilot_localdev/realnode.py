@@ -53,14 +53,7 @@ from typing import IO, Any
 import yaml
 
 from batchpilot_localdev import free_port
-from batchpilot_localdev.cluster import (
-    ADMIN_TOKEN,
-    REPO_ROOT,
-    LocalCluster,
-    bin_dir,
-    make_node_credentials,
-    write_cert_kubeconfig,
-)
+from batchpilot_localdev.cluster import ADMIN_TOKEN, REPO_ROOT, LocalCluster, bin_dir
 from batchpilot_localdev.nodehost import (
     BRIDGE,
     CGROUP_ROOT,
@@ -91,6 +84,7 @@ from batchpilot_localdev.nodeimages import (
     images_env,
     run_command,
 )
+from batchpilot_localdev.pki import make_node_credentials, write_cert_kubeconfig
 from batchpilot_localdev.processes import stop_group
 from batchpilot_localdev.prometheus import KubernetesSD, PrometheusServer
 from batchpilot_operator.children import LABEL_POLICY, LABEL_REVISION, LABEL_TRACK, RUNTIME_PORT

@@ -8,7 +8,7 @@ import ssl
 import threading
 from pathlib import Path
 
-from batchpilot_localdev.cluster import make_pki
+from batchpilot_localdev.pki import make_pki
 
 
 def test_apiserver_certificate_verifies_strictly(tmp_path: Path) -> None:
