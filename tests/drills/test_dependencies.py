@@ -23,7 +23,7 @@ import pytest
 from batchpilot_localdev.toxiproxy import Toxiproxy
 from bpdrill import Drill
 from bpdrill_deps import Stage, apiserver_address, condition, policy, proxied_kubeconfig, stage, stalled
-from bptest import Kube
+from bptest import Kube, wait_until
 
 pytestmark = [pytest.mark.cluster, pytest.mark.prometheus, pytest.mark.slow]
 
@@ -179,7 +179,14 @@ def prometheus_outage(s: Stage, drill: Drill, outage_s: float, deadline_s: float
         "settled after the outage",
     )
     assert after["stableRevision"] == stable
-    assert len(s.harness.endpoints("shop")) >= 2, "the stable track keeps serving"
+    # The stable track keeps serving: it lent a pod to the canary's step (replica ratio), so the
+    # rollback scaled it back up, and that new pod serves once its model is loaded and warm. (Read
+    # at once, beside the rest of the suite on 2 cores, one run found it still loading.)
+    wait_until(
+        lambda: len([p for p in s.harness.endpoints("shop") if p.revision == stable]) >= 2,
+        120,
+        "the stable track serving from 2 pods again",
+    )
     drill.recovered(time.monotonic() - t1)
     drill.figures["rolled_back_after_s"] = round(rolled_after, 1)
     drill.observed = (
