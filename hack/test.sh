@@ -18,13 +18,10 @@ fi
 # its clients on time, and beside the other half of the suite on 2 cores they missed (pods 3-4x
 # slower than the model, a client giving up on a request through Envoy). Every test runs exactly
 # once; BATCHPILOT_TEST_SERIAL=1 (or any pytest argument) runs them in one process instead.
-# Each group's temporary files in a folder of its own, named after this checkout too, so that two
-# checkouts running their tests at once do not share one.
-checkout=$(pwd | cksum | cut -d' ' -f1)
 group() {
   local name=$1
   shift
-  pytest --basetemp="${TMPDIR:-/tmp}/batchpilot-pytest-$checkout-$name" --durations=12 "$@" 2>&1 | sed -u "s/^/[$name] /"
+  pytest --basetemp="${TMPDIR:-/tmp}/batchpilot-pytest-$name" --durations=12 "$@" 2>&1 | sed -u "s/^/[$name] /"
 }
 group operator -m "not alone" tests/operator &
 operator=$!
