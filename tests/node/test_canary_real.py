@@ -55,11 +55,12 @@ def scenario(
     kube: Kube, real_node: tuple[LocalCluster, RealNode], namespace: str, tmp_path: Path
 ) -> Iterator[Scenario]:
     cluster, _ = real_node
+    arrivals = load_trace(TRACE).scaled_arrivals(RATE)  # first: a missing trace starts nothing
     sd = KubernetesSD(cluster.server, cluster.workdir / "pki" / "ca.crt", ADMIN_TOKEN, (namespace,))
     prom = start_prometheus(tmp_path, kubernetes_sd=sd)
     op = start_operator(kube, namespace, tmp_path, prometheus_url=prom.url, resync=1.0)
     endpoints = PodEndpoints(cluster.kubeconfig, namespace, "shop").start()
-    replay = TraceReplay(load_trace(TRACE).scaled_arrivals(RATE), endpoints, model="tiny").start()
+    replay = TraceReplay(arrivals, endpoints, model="tiny").start()
     try:
         yield Scenario(kube, namespace, prom, op, replay, LedgerSeen())
     finally:

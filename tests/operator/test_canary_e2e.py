@@ -66,9 +66,9 @@ class Scenario(PolicyScenario):
 
 @pytest.fixture
 def scenario(kube: Kube, namespace: str, prometheus: PrometheusServer, tmp_path: Path) -> Iterator[Scenario]:
+    trace = load_trace(TRACE)  # first: a missing trace fails the set-up before anything is started
     harness = RuntimeHarness(kube.kubeconfig, namespace, tmp_path / "runtime", prometheus).start()
     op = start_operator(kube, namespace, tmp_path, prometheus_url=prometheus.url, resync=1.0)
-    trace = load_trace(TRACE)
     replay = TraceReplay(trace.scaled_arrivals(RATE), lambda: harness.endpoints("shop"), model="tiny").start()
     scenario = Scenario(kube, namespace, prometheus, op, harness)
     try:

@@ -151,9 +151,9 @@ class Scenario(PolicyScenario):
 
 @pytest.fixture
 def scenario(kube: Kube, namespace: str, prometheus: PrometheusServer, tmp_path: Path) -> Iterator[Scenario]:
+    trace = load_trace(TRACE)  # first: a missing trace fails the set-up before anything is started
     harness = RuntimeHarness(kube.kubeconfig, namespace, tmp_path / "runtime", prometheus).start()
     op = start_operator(kube, namespace, tmp_path, prometheus_url=prometheus.url, resync=1.0)
-    trace = load_trace(TRACE)
     # The bulk client sends binary tensors (the extension's raw little-endian bytes after a JSON
     # header) and asks for a binary output: 12 rows without 40 KB of JSON to write and parse.
     tensor = struct.pack(f"<{BULK_ROWS * 512}f", *(ROW * BULK_ROWS))
