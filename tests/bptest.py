@@ -107,6 +107,18 @@ INTERACTIVE_LANE: dict[str, Any] = {
 }
 
 
+def conclusive(spec: PolicySpec) -> dict[str, list[list[float]]]:
+    """A rollout history (``status.rollout.evidence``) whose sequential evidence is already
+    past any bound for every objective of every lane and tenant slice: the window's own rule
+    then decides alone (the tests of that rule; the sequential gate has its own)."""
+    from batchpilot_operator.analysis import METRICS, lane_key, sequential_key
+    from batchpilot_operator.stats import LOG_CAP, OVER_BUDGET_RATIOS, WORSE_ODDS
+
+    keys = [lane_key(lane.name, t) for lane in spec.lanes for t in (None, *spec.tenant_slices)]
+    full = [[LOG_CAP] * len(OVER_BUDGET_RATIOS), [LOG_CAP] * len(WORSE_ODDS)]
+    return {sequential_key(k, m): [list(part) for part in full] for k in keys for m in METRICS}
+
+
 def make_spec(*, batch: int = 8, replicas: int = 4, lanes: int = 1, **rollout: Any) -> PolicySpec:
     """The pure-logic tests' policy (planner, analysis): an interactive lane (``batch`` rows, 5 ms
     window) and, with ``lanes=2``, a background lane with its own 2 s / 500 ms SLO; policy SLO

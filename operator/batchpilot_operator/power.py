@@ -54,7 +54,15 @@ from dataclasses import dataclass
 from statistics import NormalDist
 
 from batchpilot_operator.analysis import SHARED_BREACH_RATIO, SLICES, TALLY_ANALYSES, MetricCheck
-from batchpilot_operator.stats import binomial_sf, count_above, design_effect, fisher_greater
+from batchpilot_operator.stats import (
+    binomial_sf,
+    count_above,
+    design_effect,
+    e_value,
+    fisher_greater,
+    log_lr_over_budget,
+    log_lr_worse,
+)
 
 LIMIT = 9.0
 """The largest regression looked for (10x the stable's latency): beyond it, "not detectable"."""
@@ -80,6 +88,9 @@ class Tally:
     power: float = 0.5
     burstiness: float = 0.0
     subwindows: int = 1
+    needed: float | None = None
+    """The e-value a rollback needs (``analysis.sequential_needed``; None: the rule without its
+    sequential gate). The rollout's evidence is taken as that of the tally's counts."""
 
 
 def detects(buckets: Sequence[tuple[float, float]], slo: float, factor: float, tally: Tally) -> bool:
@@ -116,7 +127,14 @@ def fails(p_canary: float, p_stable: float, tally: Tally) -> bool:
     if p_stable > t.budget and share < SHARED_BREACH_RATIO * p_stable:
         return False
     worse = 1.0 - fisher_greater(k_c, n_c, p_stable * n_s, n_s)
-    return worse >= t.confidence
+    if worse < t.confidence:
+        return False
+    if t.needed is None:
+        return True
+    # The sequential gate, on the same (already discounted) counts.
+    over_e = e_value(log_lr_over_budget(k_c, n_c, t.budget))
+    worse_e = e_value(log_lr_worse(k_c, n_c, p_stable * n_s, n_s))
+    return over_e >= t.needed and worse_e >= t.needed
 
 
 def _smallest(ok: Callable[[float], bool], lo: float, hi: float, precision: float) -> float:
@@ -169,11 +187,18 @@ def detectable_regression(buckets: Sequence[tuple[float, float]], slo: float, ta
 
 
 def _lane_tally(
-    canary: float, stable: float, confidence: float, analyses: int, budget: float, power: float, burstiness: float
+    canary: float,
+    stable: float,
+    confidence: float,
+    analyses: int,
+    budget: float,
+    power: float,
+    burstiness: float,
+    needed: float | None,
 ) -> Tally:
     """A tally of ``analyses`` windows at this window's traffic (``canary`` and ``stable``
     requests a window), over ``analyses * SLICES`` sub-windows."""
-    return Tally(canary * analyses, stable * analyses, confidence, budget, power, burstiness, analyses * SLICES)
+    return Tally(canary * analyses, stable * analyses, confidence, budget, power, burstiness, analyses * SLICES, needed)
 
 
 def lane_detectable_regression(
@@ -184,6 +209,7 @@ def lane_detectable_regression(
     *,
     power: float = POWER,
     burstiness: float | None = None,
+    needed: float | None = None,
 ) -> float | None:
     """:func:`detectable_regression` of a lane's p99 objective from this window's checks, over
     a tally of ``analyses`` windows at this window's traffic (a full tally by default; the
@@ -196,7 +222,9 @@ def lane_detectable_regression(
     (no stable histogram, no requests on either track)."""
     if stable is None or not stable.buckets or not canary.samples or not stable.samples:
         return None
-    tally = _lane_tally(canary.samples, stable.samples, confidence, analyses, stable.budget, power, burstiness or 0.0)
+    tally = _lane_tally(
+        canary.samples, stable.samples, confidence, analyses, stable.budget, power, burstiness or 0.0, needed
+    )
     return detectable_regression(stable.buckets, stable.threshold, tally)
 
 
@@ -208,6 +236,7 @@ def lane_detectable_error_rate(
     *,
     power: float = POWER,
     burstiness: float | None = None,
+    needed: float | None = None,
 ) -> float | None:
     """:func:`detectable_error_rate` of a lane's error objective from this window's checks, over a
     tally of ``analyses`` windows at this window's traffic and the stable's error share of the
@@ -218,5 +247,5 @@ def lane_detectable_error_rate(
     if stable is None or not canary.samples or not stable.samples:
         return None
     bursts = burstiness if burstiness is not None else canary.burstiness or 0.0
-    tally = _lane_tally(canary.samples, stable.samples, confidence, analyses, canary.budget, power, bursts)
+    tally = _lane_tally(canary.samples, stable.samples, confidence, analyses, canary.budget, power, bursts, needed)
     return detectable_error_rate((stable.bad or 0.0) / stable.samples, tally)

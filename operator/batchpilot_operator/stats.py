@@ -243,3 +243,83 @@ def design_effect(burstiness: float, share: float, per_subwindow: float) -> floa
     if burstiness <= 0.0 or share <= 0.0 or share >= 1.0:
         return 1.0
     return 1.0 + burstiness * per_subwindow * share / (1.0 - share)
+
+
+# --------------------------------------------------------------------------- sequential evidence
+#
+# The tests above answer "does this tally show a breach?" once. The verdict asks it every
+# analysis window, and a rule that asks often enough at a fixed confidence eventually blames a
+# good canary by chance. The evidence below accumulates over the whole rollout instead: for each
+# alternative of a small grid, the product over the analysed windows of the likelihood ratio of
+# the window's counts under that alternative against the null. Under the null each product is a
+# nonnegative supermartingale (its expectation given the past is at most 1), so is their mean
+# (the e-value), and by Ville's inequality the chance that the e-value *ever* reaches ``1 / a``,
+# however many windows are looked at and whenever the rollout stops, is at most ``a``.
+
+OVER_BUDGET_RATIOS: tuple[float, ...] = (1.5, 2.0, 3.0, 5.0, 10.0, 30.0)
+"""The alternatives of the over-budget evidence: the canary's bad share at these multiples of the budget."""
+WORSE_ODDS: tuple[float, ...] = (1.5, 2.0, 3.0, 5.0, 10.0, 30.0)
+"""The alternatives of the worse-than-stable evidence: a bad event is the canary's with these odds
+ratios against its share of the requests."""
+LOG_CAP = 700.0
+"""Log likelihood ratios are kept below this (exp stays finite; the status stays JSON)."""
+
+
+def _capped(x: float) -> float:
+    return min(LOG_CAP, x)
+
+
+def log_lr_over_budget(k: float, n: float, budget: float, discount: float = 1.0) -> tuple[float, ...]:
+    """Per alternative of :data:`OVER_BUDGET_RATIOS`, the log likelihood ratio of ``k`` bad events
+    among ``n`` requests with a bad share of ``ratio * budget`` (at most 0.999) against one of
+    ``budget``, divided by ``discount`` (a design effect: bursty requests are worth ``n / D``
+    independent ones). For any true share at or under the budget, each ratio's expectation is at
+    most 1. A zero budget: any bad event refutes it outright (the cap), none says nothing."""
+    k, n = max(0.0, min(k, n)), max(0.0, n)
+    d = max(1.0, discount)
+    if budget <= 0.0:
+        return tuple(LOG_CAP if k > 0 else 0.0 for _ in OVER_BUDGET_RATIOS)
+    out = []
+    for r in OVER_BUDGET_RATIOS:
+        p = min(0.999, r * budget)
+        if p <= budget:
+            out.append(0.0)
+            continue
+        out.append(_capped((k * math.log(p / budget) + (n - k) * math.log((1.0 - p) / (1.0 - budget))) / d))
+    return tuple(out)
+
+
+def log_lr_worse(k_c: float, n_c: float, k_s: float, n_s: float, discount: float = 1.0) -> tuple[float, ...]:
+    """Per alternative of :data:`WORSE_ODDS`, the log likelihood ratio that the window's bad
+    events fell on the canary more often than its share ``s`` of the requests: given the
+    ``k_c + k_s`` bad events, each is the canary's with probability ``s`` when both tracks have
+    the same bad rate (at most ``s`` when the canary's is lower), and with odds ``odds`` times
+    ``s / (1 - s)`` under the alternative (Poisson counts: the conditional test of two rates).
+    Divided by ``discount`` as :func:`log_lr_over_budget`. No requests on a track: no evidence."""
+    k_c, k_s = max(0.0, min(k_c, n_c)), max(0.0, min(k_s, n_s))
+    if n_c <= 0.0 or n_s <= 0.0 or k_c + k_s <= 0.0:
+        return tuple(0.0 for _ in WORSE_ODDS)
+    d = max(1.0, discount)
+    s = n_c / (n_c + n_s)
+    out = []
+    for odds in WORSE_ODDS:
+        q = odds * s / (1.0 - s + odds * s)
+        out.append(_capped((k_c * math.log(q / s) + k_s * math.log((1.0 - q) / (1.0 - s))) / d))
+    return tuple(out)
+
+
+def accumulate(earlier: Sequence[float] | None, window: Sequence[float]) -> tuple[float, ...]:
+    """Each alternative's log likelihood ratio over the windows so far, this one included."""
+    if not earlier or len(earlier) != len(window):
+        return tuple(window)
+    return tuple(_capped(a + b) for a, b in zip(earlier, window, strict=True))
+
+
+def e_value(logs: Sequence[float]) -> float:
+    """The evidence against the null: the mean over the alternatives of their likelihood
+    ratios (1 before any window; at least ``1 / a`` at most ``a`` of the time under the null,
+    at any window)."""
+    if not logs:
+        return 1.0
+    top = max(logs)
+    return math.exp(top) * math.fsum(math.exp(x - top) for x in logs) / len(logs)

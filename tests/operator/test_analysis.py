@@ -34,7 +34,7 @@ from batchpilot_operator.analysis import (
 )
 from batchpilot_operator.analysis.objectives import Counted
 from batchpilot_operator.spec import PolicySpec
-from bptest import make_spec
+from bptest import conclusive, make_spec
 
 NOW = datetime(2026, 11, 30, 2, 0, tzinfo=UTC)
 SEL = 'namespace="ml",policy="chat",track="canary",revision="abc123",lane="interactive"'
@@ -276,7 +276,9 @@ def _table(**over: Row) -> dict[tuple[str, str, str], Row]:
     return base
 
 
-def _analyse(backend: MetricsBackend, spec: PolicySpec | None = None) -> AnalysisResult:
+def _analyse(
+    backend: MetricsBackend, spec: PolicySpec | None = None, history: dict[str, list[list[float]]] | None = None
+) -> AnalysisResult:
     return run_analysis(
         backend,
         spec or make_spec(lanes=2),
@@ -285,6 +287,7 @@ def _analyse(backend: MetricsBackend, spec: PolicySpec | None = None) -> Analysi
         canary_revision="c1",
         stable_revision="s0",
         now=NOW,
+        history=history,
     )
 
 
@@ -370,7 +373,8 @@ def _judged(canary: Row, stable: Row | None, confidence: float = 0.95) -> Any:
     table = _table(**over)
     if stable is None:
         del table[("stable", "interactive", "p99Latency")]
-    check = _analyse(DictBackend(table), spec).lanes[0].check("p99Latency")
+    # The window's rule alone: the rollout's sequential evidence already conclusive.
+    check = _analyse(DictBackend(table), spec, conclusive(spec)).lanes[0].check("p99Latency")
     assert check is not None
     return check
 
@@ -467,7 +471,9 @@ def test_the_tally_carries_earlier_analyses_and_decides() -> None:
     assert check is not None and check.outcome is Outcome.INCONCLUSIVE, check.describe()
     key = "interactive/p99Latency/canary"
     assert [pytest.approx([1.2, 60.0])] * SLICES == first.tally[key]
-    history = {k: v * 3 for k, v in first.tally.items()}  # as if three such windows came before
+    # As if three such windows came before (and the rollout's evidence were already past its
+    # bound: the sequential gate has its own tests).
+    history = {k: v * 3 for k, v in first.tally.items() if not k.endswith("/sequential")} | conclusive(spec)
     later = run_analysis(
         DictBackend(table),
         spec,
@@ -485,7 +491,7 @@ def test_the_tally_carries_earlier_analyses_and_decides() -> None:
     assert "(this and earlier analyses)" in check.describe()
     assert len(later.tally[key]) == 4 * SLICES
     # The tally is bounded: the oldest sub-windows fall out.
-    long = {k: v * 20 for k, v in first.tally.items()}
+    long = {k: v * 20 for k, v in first.tally.items() if not k.endswith("/sequential")}
     bounded = run_analysis(
         DictBackend(table), spec, policy="chat", namespace="ml", canary_revision="c1", stable_revision="s0", now=NOW,
         history=long,
@@ -575,3 +581,36 @@ def test_every_objective_record_reaches_the_queries_the_checks_and_the_status_te
         for c in v.canary:
             assert c.outcome is Outcome.ERROR  # nothing was measured: an error, never a pass
             assert objective(c.metric).label in c.describe()
+
+
+def test_a_window_that_would_fail_waits_for_the_rollouts_evidence() -> None:
+    # 3.3% of 300 requests slow against 0.2% of 900 on the stable: the window's rule fails it,
+    # but one window's evidence is short of what a rollback needs for the whole rollout's
+    # bound (sequential_needed); the evidence carried in the tally adds up, and a few
+    # windows like it fail it.
+    spec = make_spec(lanes=1)
+    table = _table(canary__interactive__p99Latency=(0.25, 300.0, 10.0))
+    history: dict[str, list[list[float]]] = {}
+    seen: list[float] = []
+    for _ in range(8):
+        result = _analyse(DictBackend(table), spec, history)
+        check = result.lanes[0].check("p99Latency")
+        assert check is not None and check.e_over_budget is not None and check.e_worse is not None
+        seen.append(min(check.e_over_budget, check.e_worse))
+        if check.outcome is Outcome.FAILED:
+            break
+        assert check.outcome is Outcome.INCONCLUSIVE
+        assert "the rollout's evidence so far is" in check.describe()
+        assert result.lanes[0].holds_step and not result.lanes[0].passes_step
+        history = result.tally
+    assert check.outcome is Outcome.FAILED, check.describe()
+    assert 1 < len(seen) <= 4
+    assert seen == sorted(seen) and seen[-1] >= check.evidence_needed  # type: ignore[operator]
+    # The healthy windows of a canary count against it as well: after clean windows the
+    # same breach needs more windows to fail.
+    clean = _analyse(DictBackend(_table(canary__interactive__p99Latency=(0.1, 300.0, 0.0))), spec)
+    history = clean.tally
+    for _ in range(3):
+        history = _analyse(DictBackend(_table(canary__interactive__p99Latency=(0.1, 300.0, 0.0))), spec, history).tally
+    late = _analyse(DictBackend(table), spec, history).lanes[0].check("p99Latency")
+    assert late is not None and late.e_over_budget is not None and late.e_over_budget < seen[0]

@@ -28,7 +28,7 @@ from batchpilot_operator.analysis import (
 from batchpilot_operator.spec import PolicySpec, TenantsSpec
 from batchpilot_operator.status import Status
 from bp_plan import Sim
-from bptest import make_spec
+from bptest import conclusive, make_spec
 
 NOW = datetime(2026, 11, 30, 2, 0, tzinfo=UTC)
 Row = tuple[float | None, float | None, float | None]
@@ -107,14 +107,18 @@ def base() -> Table:
 
 
 def analyse(table: Table, spec: PolicySpec | None = None) -> AnalysisResult:
+    """One window judged by its own rule (the rollout's sequential evidence already conclusive:
+    the planner tests below accumulate it for real)."""
+    spec = spec or tenant_spec()
     return run_analysis(
         SliceBackend(table),
-        spec or tenant_spec(),
+        spec,
         policy="chat",
         namespace="ml",
         canary_revision="c1",
         stable_revision="s0",
         now=NOW,
+        history=conclusive(spec),
     )
 
 

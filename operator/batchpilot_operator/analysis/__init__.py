@@ -99,6 +99,7 @@ from batchpilot_operator.analysis.checks import (
     check_metric,
     judge,
     judge_client_errors,
+    sequential_needed,
     slice_confidence,
 )
 from batchpilot_operator.analysis.objectives import (
@@ -138,7 +139,9 @@ from batchpilot_operator.analysis.tally import (
     TALLY_SLICES,
     next_tally,
     pooled,
+    sequential_key,
     slice_counts,
+    step_evidence,
 )
 from batchpilot_operator.analysis.verdicts import (
     AnalysisResult,
@@ -191,7 +194,10 @@ __all__ = [
     "promql_window",
     "run_analysis",
     "selector",
+    "sequential_key",
+    "sequential_needed",
     "slice_confidence",
     "slice_counts",
+    "step_evidence",
     "verdicts",
 ]

@@ -5,11 +5,13 @@
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Mapping
+import math
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 from batchpilot_operator.analysis.backend import Measurement, finite, not_nan
 from batchpilot_operator.analysis.objectives import (
+    METRICS,
     P99_BUDGET,
     MetricName,
     Outcome,
@@ -20,14 +22,21 @@ from batchpilot_operator.analysis.objectives import (
     objective,
 )
 from batchpilot_operator.analysis.queries import LaneQueries
+from batchpilot_operator.analysis.tally import SLICES
+from batchpilot_operator.spec import PolicySpec
 from batchpilot_operator.stats import (
     Slices,
+    accumulate,
     binomial_sf,
     burst_variance,
     clustered_greater,
     clustered_over_budget,
     count_above,
+    design_effect,
+    e_value,
     fisher_greater,
+    log_lr_over_budget,
+    log_lr_worse,
     rate_variance,
 )
 
@@ -81,6 +90,20 @@ class MetricCheck:
     at least as bursty as its traffic (:func:`stats.burst_variance`, :func:`stats.rate_variance`;
     None without sub-windows): what the sub-window test discounts a burst by, and so what the
     gate can see (``power``)."""
+    sequential: tuple[tuple[float, ...], tuple[float, ...]] | None = None
+    """The rollout's evidence after this window (:func:`judge`): per alternative, the log
+    likelihood ratios over every analysed window of the rollout that the canary is over its
+    budget, and that it is worse than the stable (``stats.log_lr_over_budget``, ``stats.log_lr_worse``)."""
+    evidence_needed: float | None = None
+    """The e-value a failure needs (:func:`sequential_needed`; None: no sequential gate)."""
+
+    @property
+    def e_over_budget(self) -> float | None:
+        return e_value(self.sequential[0]) if self.sequential is not None else None
+
+    @property
+    def e_worse(self) -> float | None:
+        return e_value(self.sequential[1]) if self.sequential is not None else None
 
     @property
     def thin(self) -> bool:
@@ -147,7 +170,16 @@ class MetricCheck:
             text += "; " + ", ".join(tests)
         if self.note:
             text += f"; {self.note}"
+        elif self.outcome is Outcome.FAILED:
+            text += self._describe_evidence()
         return text
+
+    def _describe_evidence(self) -> str:
+        """A failure's sequential evidence in words: what it reached against what it needed."""
+        if self.evidence_needed is None or self.e_over_budget is None or self.e_worse is None:
+            return ""
+        weakest = self.e_over_budget if self.confidence_worse is None else min(self.e_over_budget, self.e_worse)
+        return f"; the rollout's evidence {weakest:.3g} >= the {self.evidence_needed:.0f} a rollback needs"
 
     def _describe_rejected(self, where: str) -> str:
         """The 4xx comparison in words: ``lane x tenant b: rejected 100% (400) of 120 requests vs stable 0% of 300``."""
@@ -169,6 +201,8 @@ class MetricCheck:
             text += f"; worse than stable with {format_confidence(self.confidence_worse)} confidence"
         if self.note:
             text += f"; {self.note}"
+        elif self.outcome is Outcome.FAILED:
+            text += self._describe_evidence()
         return text
 
 
@@ -242,6 +276,8 @@ def judge(
     confidence: float,
     canary_slices: Slices | None = None,
     stable_slices: Slices | None = None,
+    earlier: Sequence[Sequence[float]] | None = None,
+    needed: float | None = None,
 ) -> MetricCheck:
     """The canary's verdict on one objective: its tally against the stable's and its budget.
 
@@ -252,13 +288,27 @@ def judge(
     not and the canary is worse than a usable stable with ``confidence`` (no usable stable:
     over its budget with ``confidence``); otherwise Inconclusive with the reason in ``note``.
     Each confidence is the lesser of the exact test and the sub-window test (module doc).
+
+    ``earlier`` is the rollout's evidence before this window (:attr:`MetricCheck.sequential`),
+    which this window's counts extend whatever its outcome; with ``needed``, a failure also
+    needs both e-values (the one against the stable only where the stable was compared) to be
+    at least ``needed``: the sequential gate that bounds the false-rollback rate over the
+    whole rollout (:func:`sequential_needed`). Short of it: Inconclusive, with the evidence so far.
     """
     if canary.outcome in (Outcome.ERROR, Outcome.INCONCLUSIVE) or canary.bad is None or canary.samples is None:
         return canary
     burstiness = _burstiness(stable_slices) if stable_slices else None
+    sequential = _extend(canary, stable, earlier, burstiness or 0.0)
     k_c, n_c = _totals(canary_slices) if canary_slices else (canary.bad, canary.samples)
     if n_c <= 0 or k_c / n_c <= canary.budget:
-        return dataclasses.replace(canary, outcome=Outcome.SUCCESSFUL, tally=(k_c, n_c), burstiness=burstiness)
+        return dataclasses.replace(
+            canary,
+            outcome=Outcome.SUCCESSFUL,
+            tally=(k_c, n_c),
+            burstiness=burstiness,
+            sequential=sequential,
+            evidence_needed=needed,
+        )
     over = _least(
         1.0 - binomial_sf(k_c, n_c, canary.budget),
         clustered_over_budget(canary_slices, canary.budget) if canary_slices else None,
@@ -297,8 +347,12 @@ def judge(
         # Both halves of the rule are tested (an intersection-union test: each at the
         # confidence, so the pair is too): worse than the stable, and over the budget.
         note = f"worse than the stable track, but not clearly over its {format_share(canary.budget)} budget ({needs})"
+    elif needed is not None:
+        note = _short_of_evidence(sequential, needed, compared=worse is not None)
     return dataclasses.replace(
         canary,
+        sequential=sequential,
+        evidence_needed=needed,
         outcome=Outcome.FAILED if note is None else Outcome.INCONCLUSIVE,
         note=note,
         confidence_over_budget=over,
@@ -309,6 +363,62 @@ def judge(
         shared_breach=shared and worse is not None and worse < confidence,
         burstiness=burstiness,
     )
+
+
+def _extend(
+    canary: MetricCheck, stable: MetricCheck | None, earlier: Sequence[Sequence[float]] | None, burstiness: float
+) -> tuple[tuple[float, ...], tuple[float, ...]]:
+    """The rollout's evidence with this window's counts: over the budget from the canary's
+    requests, worse than the stable from both tracks' (none from a stable without counts).
+    Bursty traffic is discounted as the sub-window test counts it: a tally's requests are worth
+    ``n / D`` independent ones (:func:`stats.design_effect` at the stable's burstiness)."""
+    k_c, n_c = canary.bad or 0.0, canary.samples or 0.0
+
+    def discount(k: float, n: float) -> float:
+        return design_effect(burstiness, k / n if n > 0 else 0.0, n / SLICES)
+
+    d_c = discount(k_c, n_c)
+    over = log_lr_over_budget(k_c, n_c, canary.budget, d_c)
+    worse = log_lr_worse(0.0, 0.0, 0.0, 0.0)
+    if stable is not None and stable.outcome is not Outcome.ERROR and stable.bad is not None and stable.samples:
+        k_s, n_s = stable.bad, stable.samples
+        worse = log_lr_worse(k_c, n_c, k_s, n_s, max(d_c, discount(k_s, n_s)))
+    before_over, before_worse = (tuple(earlier[0]), tuple(earlier[1])) if earlier and len(earlier) == 2 else ((), ())
+    return accumulate(before_over, over), accumulate(before_worse, worse)
+
+
+def _short_of_evidence(
+    sequential: tuple[tuple[float, ...], tuple[float, ...]], needed: float, *, compared: bool
+) -> str | None:
+    """Why a canary this window would fail is not failed yet: the rollout's evidence (the
+    e-values of :attr:`MetricCheck.sequential`) is short of ``needed``; None when it is not."""
+    e_over = e_value(sequential[0])
+    e_worse = e_value(sequential[1]) if compared else math.inf
+    if e_over >= needed and e_worse >= needed:
+        return None
+    weakest = min(e_over, e_worse)
+    return (
+        f"the rollout's evidence so far is {weakest:.3g} of the {needed:.0f} a rollback needs"
+        f" (at most {format_share(1.0 / needed)} of good changes rolled back per objective)"
+    )
+
+
+def sequential_needed(spec: PolicySpec, tenant: bool) -> float:
+    """The e-value a failure of one objective needs, so that a good change is rolled back by
+    chance in at most ``1 - rollout.confidence`` of rollouts, however many analyses it takes.
+
+    The evidence starts afresh at each step (``rollout.steps``: a change that breaks only at
+    a larger weight is not held back by the healthy windows of a smaller one), so the rate is
+    split evenly (Bonferroni) over the steps and over every objective of every lane; when the
+    policy declares tenant slices, half of it goes to the lanes' totals and half to their
+    slices, shared evenly among them."""
+    objectives = len(spec.rollout.steps) * len(spec.lanes) * len(METRICS)
+    alpha = (1.0 - spec.rollout.confidence) / max(1, objectives)
+    if spec.tenant_slices:
+        alpha /= 2.0
+        if tenant:
+            alpha /= len(spec.tenant_slices)
+    return 1.0 / alpha
 
 
 def slice_confidence(confidence: float, judged: int) -> float:
@@ -360,6 +470,8 @@ def judge_client_errors(
     confidence: float,
     canary_slices: Slices | None = None,
     stable_slices: Slices | None = None,
+    earlier: Sequence[Sequence[float]] | None = None,
+    needed: float | None = None,
 ) -> MetricCheck:
     """The verdict on the canary's 4xx share: :func:`judge` with a zero budget, so any 4xx is a
     "breach" that fails only when the canary rejects more than the stable with ``confidence``
@@ -370,7 +482,7 @@ def judge_client_errors(
     from the canary's: Successful, with that said in ``note``."""
     usable = stable is not None and stable.outcome not in (Outcome.ERROR, Outcome.INCONCLUSIVE)
     if usable or canary.outcome in (Outcome.ERROR, Outcome.INCONCLUSIVE) or canary.bad is None:
-        return judge(canary, stable, confidence, canary_slices, stable_slices)
+        return judge(canary, stable, confidence, canary_slices, stable_slices, earlier, needed)
     return dataclasses.replace(canary, outcome=Outcome.SUCCESSFUL, note=NO_STABLE_4XX if canary.bad else None)
 
 

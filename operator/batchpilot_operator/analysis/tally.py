@@ -27,6 +27,24 @@ def tally_key(key: SliceKey) -> str:
     return f"{lane}/{metric}/{track}"
 
 
+SEQUENTIAL = "sequential"
+
+
+def sequential_key(lane: str, metric: str) -> str:
+    """Where the rollout's sequential evidence of one objective of a lane (or tenant slice: a
+    :func:`queries.lane_key`) is kept beside the tally: ``[[over budget...], [worse...]]``, the
+    log likelihood ratios per alternative (``checks.MetricCheck.sequential``)."""
+    return f"{lane}/{metric}/{SEQUENTIAL}"
+
+
+def step_evidence(evidence: Mapping[str, list[list[float]]], *, keep_tally: bool) -> dict[str, list[list[float]]]:
+    """What a new step starts from: no sequential evidence (it starts afresh at each step,
+    ``checks.sequential_needed``), and the tally only when the new step feeds the canary alike."""
+    if not keep_tally:
+        return {}
+    return {key: v for key, v in evidence.items() if not key.endswith(f"/{SEQUENTIAL}")}
+
+
 def pooled(
     slices: Mapping[SliceKey, Slices], history: Mapping[str, Sequence[Sequence[float]]]
 ) -> dict[SliceKey, Slices]:
@@ -45,7 +63,7 @@ def next_tally(
     """The tally to keep after this analysis: each key's pooled sub-windows; a key without
     slices this time (its queries failed) keeps its earlier sub-windows, so a window of missing
     data loses no evidence."""
-    kept = {key: [[float(k), float(n)] for k, n in v] for key, v in history.items()}
+    kept = {key: [[float(x) for x in part] for part in v] for key, v in history.items()}
     kept.update({tally_key(key): [[b, n] for b, n in v] for key, v in pooled(slices, history).items()})
     return kept
 

@@ -9,7 +9,14 @@ from dataclasses import dataclass, field
 from datetime import datetime
 
 from batchpilot_operator.analysis.backend import Measurement, MetricsBackend
-from batchpilot_operator.analysis.checks import MetricCheck, check_metric, judge, judge_client_errors, slice_confidence
+from batchpilot_operator.analysis.checks import (
+    MetricCheck,
+    check_metric,
+    judge,
+    judge_client_errors,
+    sequential_needed,
+    slice_confidence,
+)
 from batchpilot_operator.analysis.objectives import (
     METRICS,
     MetricName,
@@ -28,7 +35,7 @@ from batchpilot_operator.analysis.queries import (
     plan_queries,
     promql_window,
 )
-from batchpilot_operator.analysis.tally import SLICES, next_tally, pooled, slice_counts
+from batchpilot_operator.analysis.tally import SLICES, next_tally, pooled, sequential_key, slice_counts
 from batchpilot_operator.spec import PolicySpec
 from batchpilot_operator.stats import Slices
 from batchpilot_operator.tune.calibration import RevisionCheck
@@ -108,7 +115,8 @@ class AnalysisResult:
     stable_revision: str | None
     lanes: tuple[LaneVerdict, ...] = field(default_factory=tuple)
     tally: dict[str, list[list[float]]] = field(default_factory=dict)
-    """The canary's tally after this analysis (``status.rollout.evidence``; see verdicts)."""
+    """The canary's tally after this analysis, and the rollout's sequential evidence
+    (``status.rollout.evidence``; see verdicts)."""
     underfed: str | None = None
     """Why this analysis could not pass the step with the canary fed less than the stable per
     pod and no later step feeding it (``fairness.judge_load``), with what to change."""
@@ -168,6 +176,7 @@ def verdicts(
         if lane_checks is None:
             return None
         stable = tuple(lane_checks["stable"])
+        needed = sequential_needed(spec, tenant is not None)
         canary = tuple(
             (judge_client_errors if objective(c.metric).stable_only else judge)(
                 c,
@@ -175,6 +184,8 @@ def verdicts(
                 confidence,
                 sl.get(("canary", key, c.metric)),
                 sl.get(("stable", key, c.metric)),
+                (history or {}).get(sequential_key(key, c.metric)),
+                needed,
             )
             for c in lane_checks["canary"]
         )
@@ -244,11 +255,25 @@ def run_analysis(
         if mq.samples in measurements and measurements[mq.samples].error is None
     }
     counts = slice_counts(spec, counters, boundaries, totals)
+    lanes = verdicts(spec, lane_queries, measurements, counts, history)
     return AnalysisResult(
         time=now,
         window=promql_window(spec.rollout.analysis_interval),
         canary_revision=canary_revision,
         stable_revision=stable_revision,
-        lanes=verdicts(spec, lane_queries, measurements, counts, history),
-        tally=next_tally(counts, history or {}),
+        lanes=lanes,
+        tally={**next_tally(counts, history or {}), **sequential_evidence(lanes)},
     )
+
+
+def sequential_evidence(lanes: Sequence[LaneVerdict]) -> dict[str, list[list[float]]]:
+    """The rollout's sequential evidence after this analysis, by :func:`tally.sequential_key`,
+    of every objective this window extended (the others keep theirs: ``next_tally``)."""
+    out: dict[str, list[list[float]]] = {}
+    for lane in lanes:
+        for v in (lane, *lane.slices):
+            for c in v.canary:
+                if c.sequential is not None:
+                    key = sequential_key(lane_key(v.lane, v.tenant), c.metric)
+                    out[key] = [[round(x, 4) for x in part] for part in c.sequential]
+    return out

@@ -7,7 +7,15 @@ from __future__ import annotations
 import math
 from typing import Any
 
-from batchpilot_operator.analysis import AnalysisResult, LaneVerdict, MetricCheck, Outcome, format_share, format_value
+from batchpilot_operator.analysis import (
+    AnalysisResult,
+    LaneVerdict,
+    MetricCheck,
+    Outcome,
+    format_share,
+    format_value,
+    sequential_needed,
+)
 from batchpilot_operator.fairness import gating_analyses
 from batchpilot_operator.power import LIMIT, lane_detectable_error_rate, lane_detectable_regression
 from batchpilot_operator.rollout.state import PlanState
@@ -81,7 +89,9 @@ def record_analysis(p: PlanState, a: AnalysisResult) -> None:
                 rejected=_val(rej),
                 stable_rejected=_val(srej),
                 tenants=[_tenant_summary(sl) for sl in lane.slices] or None,
-                **_detectable(lane, p.spec.rollout.confidence, gating_analyses(p.spec)),
+                **_detectable(
+                    lane, p.spec.rollout.confidence, gating_analyses(p.spec), sequential_needed(p.spec, False)
+                ),
                 **_model_summary(a, lane.lane),
             )
         )
@@ -151,14 +161,15 @@ def _model_summary(a: AnalysisResult, lane: str) -> dict[str, Any]:
     }
 
 
-def _detectable(lane: LaneVerdict, confidence: float, analyses: int) -> dict[str, object]:
+def _detectable(lane: LaneVerdict, confidence: float, analyses: int, needed: float) -> dict[str, object]:
     """The LaneSummary fields saying what the gate can see at this window's traffic (``power``)
-    over the ``analyses`` windows the rollout's promoting tally can hold: the smallest p99
-    regression and the smallest error rate."""
+    over the ``analyses`` windows the rollout's promoting tally can hold, with the evidence a
+    rollback ``needed`` (``analysis.sequential_needed``): the smallest p99 regression and the
+    smallest error rate."""
     out: dict[str, object] = {}
     said: list[str] = []
     lat, slat = lane.check("p99Latency"), lane.check("p99Latency", "stable")
-    found = lane_detectable_regression(lat, slat, confidence, analyses) if lat is not None else None
+    found = lane_detectable_regression(lat, slat, confidence, analyses, needed=needed) if lat is not None else None
     if found is not None and math.isinf(found):
         said.append(f"no p99 regression up to {LIMIT + 1:g}x (the stable is far under its SLO or the traffic is thin)")
     elif found is not None:
@@ -167,7 +178,11 @@ def _detectable(lane: LaneVerdict, confidence: float, analyses: int) -> dict[str
     err, serr = lane.check("errorRate"), lane.check("errorRate", "stable")
     # Errors a queue sheds come in the same bursts as slow requests: the larger clustering counts.
     bursts = max((c.burstiness for c in (lat, err) if c is not None and c.burstiness is not None), default=None)
-    rate = lane_detectable_error_rate(err, serr, confidence, analyses, burstiness=bursts) if err is not None else None
+    rate = (
+        lane_detectable_error_rate(err, serr, confidence, analyses, burstiness=bursts, needed=needed)
+        if err is not None
+        else None
+    )
     if rate is not None and err is not None:
         budget = f"budget {format_share(err.budget)}"
         if math.isinf(rate):

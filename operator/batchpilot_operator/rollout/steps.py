@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from datetime import timedelta
 
-from batchpilot_operator.analysis import AnalysisResult, Outcome
+from batchpilot_operator.analysis import AnalysisResult, Outcome, step_evidence
 from batchpilot_operator.fairness import fed_alike
 from batchpilot_operator.rollout.evidence import last_evidence, record_analysis
 from batchpilot_operator.rollout.inputs import TrackObserved
@@ -144,8 +144,9 @@ def maybe_advance(p: PlanState, r: RolloutState) -> None:
         left = r.step_weight
         r.step_index += 1
         r.step_weight = steps[r.step_index].weight
-        if not fed_alike(p.spec, left, r.step_weight):
-            r.evidence = {}  # a tally at another per-pod load is not like for like (fairness.py)
+        # The sequential evidence starts afresh at each step (checks.sequential_needed), and a
+        # tally at another per-pod load is not like for like (fairness.py).
+        r.evidence = step_evidence(r.evidence, keep_tally=fed_alike(p.spec, left, r.step_weight))
         r.step_entered_at = p.now
         r.step_started_at = None
         r.passed_lanes = []
