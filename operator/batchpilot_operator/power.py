@@ -60,7 +60,6 @@ from batchpilot_operator.stats import (
     design_effect,
     e_value,
     fisher_greater,
-    log_lr_over_budget,
     log_lr_worse,
 )
 
@@ -131,10 +130,8 @@ def fails(p_canary: float, p_stable: float, tally: Tally) -> bool:
         return False
     if t.needed is None:
         return True
-    # The sequential gate, on the same (already discounted) counts.
-    over_e = e_value(log_lr_over_budget(k_c, n_c, t.budget))
-    worse_e = e_value(log_lr_worse(k_c, n_c, p_stable * n_s, n_s))
-    return over_e >= t.needed and worse_e >= t.needed
+    # The sequential gate (worse than the stable), on the same (already discounted) counts.
+    return e_value(log_lr_worse(k_c, n_c, p_stable * n_s, n_s)) >= t.needed
 
 
 def _smallest(ok: Callable[[float], bool], lo: float, hi: float, precision: float) -> float:

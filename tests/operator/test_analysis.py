@@ -584,23 +584,23 @@ def test_every_objective_record_reaches_the_queries_the_checks_and_the_status_te
 
 
 def test_a_window_that_would_fail_waits_for_the_rollouts_evidence() -> None:
-    # 3.3% of 300 requests slow against 0.2% of 900 on the stable: the window's rule fails it,
+    # 2.3% of 300 requests slow against 0.2% of 900 on the stable: the window's rule fails it,
     # but one window's evidence is short of what a rollback needs for the whole rollout's
     # bound (sequential_needed); the evidence carried in the tally adds up, and a few
     # windows like it fail it.
     spec = make_spec(lanes=1)
-    table = _table(canary__interactive__p99Latency=(0.25, 300.0, 10.0))
+    table = _table(canary__interactive__p99Latency=(0.25, 300.0, 7.0))
     history: dict[str, list[list[float]]] = {}
     seen: list[float] = []
     for _ in range(8):
         result = _analyse(DictBackend(table), spec, history)
         check = result.lanes[0].check("p99Latency")
-        assert check is not None and check.e_over_budget is not None and check.e_worse is not None
-        seen.append(min(check.e_over_budget, check.e_worse))
+        assert check is not None and check.e_worse is not None
+        seen.append(check.e_worse)
         if check.outcome is Outcome.FAILED:
             break
         assert check.outcome is Outcome.INCONCLUSIVE
-        assert "the rollout's evidence so far is" in check.describe()
+        assert "the rollout's evidence that it is worse than the stable is" in check.describe()
         assert result.lanes[0].holds_step and not result.lanes[0].passes_step
         history = result.tally
     assert check.outcome is Outcome.FAILED, check.describe()
@@ -613,4 +613,4 @@ def test_a_window_that_would_fail_waits_for_the_rollouts_evidence() -> None:
     for _ in range(3):
         history = _analyse(DictBackend(_table(canary__interactive__p99Latency=(0.1, 300.0, 0.0))), spec, history).tally
     late = _analyse(DictBackend(table), spec, history).lanes[0].check("p99Latency")
-    assert late is not None and late.e_over_budget is not None and late.e_over_budget < seen[0]
+    assert late is not None and late.e_worse is not None and late.e_worse < seen[0]

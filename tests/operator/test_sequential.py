@@ -103,7 +103,7 @@ def test_a_new_step_starts_the_evidence_afresh_and_keeps_a_like_for_like_tally()
 def test_the_detectable_error_rate_accounts_for_the_evidence_a_rollback_needs() -> None:
     def rate(needed: float | None) -> float:
         tally = Tally(canary_requests=1200, stable_requests=3600, confidence=0.95, budget=0.01, needed=needed)
-        return detectable_error_rate(0.0, tally)
+        return detectable_error_rate(0.005, tally)
 
     assert rate(None) <= rate(20.0) <= rate(1e6)
     assert rate(None) < rate(1e6)

@@ -5,7 +5,6 @@
 from __future__ import annotations
 
 import dataclasses
-import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
@@ -178,8 +177,8 @@ class MetricCheck:
         """A failure's sequential evidence in words: what it reached against what it needed."""
         if self.evidence_needed is None or self.e_over_budget is None or self.e_worse is None:
             return ""
-        weakest = self.e_over_budget if self.confidence_worse is None else min(self.e_over_budget, self.e_worse)
-        return f"; the rollout's evidence {weakest:.3g} >= the {self.evidence_needed:.0f} a rollback needs"
+        e = self.e_over_budget if self.confidence_worse is None else self.e_worse
+        return f"; the rollout's evidence {e:.3g} >= the {self.evidence_needed:.0f} a rollback needs"
 
     def _describe_rejected(self, where: str) -> str:
         """The 4xx comparison in words: ``lane x tenant b: rejected 100% (400) of 120 requests vs stable 0% of 300``."""
@@ -291,9 +290,10 @@ def judge(
 
     ``earlier`` is the rollout's evidence before this window (:attr:`MetricCheck.sequential`),
     which this window's counts extend whatever its outcome; with ``needed``, a failure also
-    needs both e-values (the one against the stable only where the stable was compared) to be
-    at least ``needed``: the sequential gate that bounds the false-rollback rate over the
-    whole rollout (:func:`sequential_needed`). Short of it: Inconclusive, with the evidence so far.
+    needs the e-value that the canary is worse than the stable (over its budget, where no
+    stable was compared) to be at least ``needed``: the sequential gate that bounds the
+    false-rollback rate over the whole rollout (:func:`sequential_needed`,
+    :func:`_short_of_evidence`). Short of it: Inconclusive, with the evidence so far.
     """
     if canary.outcome in (Outcome.ERROR, Outcome.INCONCLUSIVE) or canary.bad is None or canary.samples is None:
         return canary
@@ -390,15 +390,18 @@ def _extend(
 def _short_of_evidence(
     sequential: tuple[tuple[float, ...], tuple[float, ...]], needed: float, *, compared: bool
 ) -> str | None:
-    """Why a canary this window would fail is not failed yet: the rollout's evidence (the
-    e-values of :attr:`MetricCheck.sequential`) is short of ``needed``; None when it is not."""
-    e_over = e_value(sequential[0])
-    e_worse = e_value(sequential[1]) if compared else math.inf
-    if e_over >= needed and e_worse >= needed:
+    """Why a canary this window would fail is not failed yet: the rollout's evidence is short
+    of ``needed`` (None when it is not). Compared with a stable, the evidence that it is worse
+    than the stable decides: a change no worse than the stable (A/A, a faster model) is the
+    good change the bound is for, and that evidence does not fade in quiet windows (no bad
+    events on either track: a likelihood ratio of 1), where a shared burst makes both tracks
+    over budget alike. Without a stable, the evidence that it is over its budget does."""
+    e = e_value(sequential[1] if compared else sequential[0])
+    if e >= needed:
         return None
-    weakest = min(e_over, e_worse)
+    what = "worse than the stable" if compared else "over its budget"
     return (
-        f"the rollout's evidence so far is {weakest:.3g} of the {needed:.0f} a rollback needs"
+        f"the rollout's evidence that it is {what} is {e:.3g} so far, of the {needed:.0f} a rollback needs"
         f" (at most {format_share(1.0 / needed)} of good changes rolled back per objective)"
     )
 
