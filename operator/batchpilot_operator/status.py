@@ -140,6 +140,10 @@ class LedgerEntry(_Model):
     stable_bad_fraction: float | None = Field(default=None, alias="stableBadFraction")
     confidence_worse: float | None = Field(default=None, alias="confidenceWorse")
     confidence_over_budget: float | None = Field(default=None, alias="confidenceOverBudget")
+    # The rollout's sequential evidence after this window (the e-value that the canary is worse
+    # than the stable, or over its budget where none was compared) and what a rollback needs.
+    evidence_value: float | None = Field(default=None, alias="evidenceValue")
+    evidence_needed: float | None = Field(default=None, alias="evidenceNeeded")
     tenant: str | None = Field(default=None, description="the tenant slice judged (absent: the lane's total)")
     # The latency model's value for the same window at the traffic each revision really got, and
     # its error against what the pods recorded (modelwatch; p99 and queue-age entries, with spec.tuning).

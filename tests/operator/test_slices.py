@@ -365,6 +365,8 @@ def test_a_slice_failure_rolls_back_and_status_ledger_history_name_the_tenant() 
     failed = [e for e in final.ledger if e.kind == "Analysis" and e.outcome == "Failed"]
     assert failed and {(e.tenant, e.metric) for e in failed} == {("b", "p99Latency")}
     assert all(e.evidence and e.evidence.startswith("lane interactive tenant b p99 latency") for e in failed)
+    # each failure carries the rollout's sequential evidence, past what a rollback needs
+    assert all(e.evidence_value and e.evidence_needed and e.evidence_value >= e.evidence_needed for e in failed)
     (history,) = [h for h in final.history if h.outcome == "RolledBack"]
     assert "tenant b" in history.evidence
     assert final.last_analysis is not None

@@ -105,6 +105,12 @@ class MetricCheck:
         return e_value(self.sequential[1]) if self.sequential is not None else None
 
     @property
+    def evidence(self) -> float | None:
+        """The e-value the sequential gate reads (:func:`judge`): that the canary is worse than
+        the stable where one was compared, that it is over its budget otherwise."""
+        return self.e_over_budget if self.confidence_worse is None else self.e_worse
+
+    @property
     def thin(self) -> bool:
         """Too few requests (or none) to judge: Inconclusive with no breach to report."""
         return self.outcome is Outcome.INCONCLUSIVE and self.note is None
@@ -175,9 +181,9 @@ class MetricCheck:
 
     def _describe_evidence(self) -> str:
         """A failure's sequential evidence in words: what it reached against what it needed."""
-        if self.evidence_needed is None or self.e_over_budget is None or self.e_worse is None:
+        e = self.evidence
+        if self.evidence_needed is None or e is None:
             return ""
-        e = self.e_over_budget if self.confidence_worse is None else self.e_worse
         return f"; the rollout's evidence {e:.3g} >= the {self.evidence_needed:.0f} a rollback needs"
 
     def _describe_rejected(self, where: str) -> str:

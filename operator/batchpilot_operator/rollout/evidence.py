@@ -57,6 +57,8 @@ def record_analysis(p: PlanState, a: AnalysisResult) -> None:
                     stable_bad_fraction=s.bad_fraction if s else None,
                     confidence_worse=c.confidence_worse,
                     confidence_over_budget=c.confidence_over_budget,
+                    evidence_value=json_float(c.evidence) if c.outcome is not Outcome.SUCCESSFUL else None,
+                    evidence_needed=c.evidence_needed if c.outcome is not Outcome.SUCCESSFUL else None,
                     tenant=c.tenant,
                     **(_model_entry(a, c.lane, c.metric) if owner is lane else {}),
                 )
