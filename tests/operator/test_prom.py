@@ -28,6 +28,7 @@ from batchpilot_localdev.prometheus import PrometheusServer, ScrapeTarget
 from batchpilot_operator.analysis import SLICES, Outcome, build_queries, run_analysis
 from batchpilot_operator.prom import PrometheusBackend, scalar_from_result
 from batchpilot_operator.spec import PolicySpec
+from bptest import conclusive
 
 LAT_BUCKETS = ((0.05, 6), (0.1, 9), (0.25, 10))
 QA_BUCKETS = ((0.001, 5), (0.01, 10))
@@ -184,9 +185,11 @@ def test_backend_measures_p99_and_samples_from_real_prometheus(
         .samples,
         40,
     )
+    # (one window, judged by its own rule: the rollout's sequential evidence already conclusive)
     result = run_analysis(
-        backend, spec(), policy="chat", namespace="ml", canary_revision="r2", stable_revision="r1", now=_now()
-    )
+        backend, spec(), policy="chat", namespace="ml", canary_revision="r2", stable_revision="r1", now=_now(),
+        history=conclusive(spec()),
+    )  # fmt: skip
     assert result.outcome is Outcome.FAILED
     (lane,) = result.lanes
     latency = lane.check("p99Latency")
