@@ -838,7 +838,7 @@ def summarize(c: dict[str, Any], scenario: str, failure_limit: int) -> dict[str,
 
 def markdown_table(result: dict[str, Any]) -> str:
     """The table of docs/canary-analysis.md: per cell, each good change's rolled-back share and each bad change's
-    caught share (rolled back), with the rollouts behind each."""
+    caught share (rolled back), with the rollouts behind each and the bad change's mean analyses to its rollback."""
 
     def pct(x: float | None) -> str:
         return "-" if x is None else f"{100 * x:.0f}%"
@@ -862,6 +862,8 @@ def markdown_table(result: dict[str, Any]) -> str:
             extra = f" ({pct(r['held'])} held)" if r.get("held") else ""
             if s == "slower20" and r.get("said_20pct_not_detectable") is not None:
                 extra += f"; {pct(r['said_20pct_not_detectable'])} said 20% is out of reach"
+            if s == "bad" and r.get("mean_analyses_to_rollback") is not None:
+                extra += f", after {r['mean_analyses_to_rollback']:g} analyses"
             if s == "shed2" and r.get("said_2pct_errors_not_detectable") is not None:
                 extra += f"; {pct(r['said_2pct_errors_not_detectable'])} said 2% errors are out of reach"
             cells.append(f"{pct(r['rolled_back'])} of {r['rollouts']}{extra}")
