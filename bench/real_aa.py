@@ -28,6 +28,8 @@ import random
 import subprocess
 import sys
 import time
+from collections import Counter
+from datetime import datetime
 from pathlib import Path
 from typing import Any
 
@@ -147,15 +149,22 @@ def outcome_of(status: dict[str, Any], revision: str) -> str | None:
 def one_rollout(stack: Stack, queue: int, timeout: float) -> dict[str, Any]:
     doc = manifest(queue)
     revision = parse_spec(doc["spec"]).revision()
+    applied = time.time()
     t0 = time.monotonic()
     stack.apply(doc)
     seen: dict[str, dict[str, Any]] = {}
+    steps: dict[int, dict[str, float | None]] = {}  # per step: entered, clock started (s after apply)
     outcome, status = None, {}
     while time.monotonic() - t0 < timeout:
         status = stack.status()
         for entry in status.get("ledger") or []:
             if entry.get("kind") == "Analysis" and entry.get("revision") == revision:
-                seen[str(entry.get("time"))] = entry
+                seen[f"{entry.get('time')}/{entry.get('metric')}/{entry.get('tenant')}"] = entry
+        rollout = status.get("rollout") or {}
+        if rollout.get("revision") == revision:
+            step = steps.setdefault(int(rollout.get("stepIndex", 0)), {"entered": None, "clock_started": None})
+            step["entered"] = since(applied, rollout.get("stepEnteredAt"))
+            step["clock_started"] = since(applied, rollout.get("stepStartedAt"))
         outcome = outcome_of(status, revision)
         if outcome is not None:
             break
@@ -169,8 +178,46 @@ def one_rollout(stack: Stack, queue: int, timeout: float) -> dict[str, Any]:
         "analyses": len({e.get("time") for e in seen.values()}),
         "failed_analyses": len({e.get("time") for e in failed}),
         "evidence": [e.get("evidence") for e in decided if e.get("kind") in ("RolledBack", "Stalled")][:3],
+        # where the time went: each step's entry and the start of its clock (its canary pods all
+        # ready, plus the warm-up), and every analysis window: when, and its worst objective
+        "steps": [{"step": i, **v} for i, v in sorted(steps.items())],
+        "windows": windows(seen.values(), applied),
+        "decisions": [
+            {"kind": e.get("kind"), "at": since(applied, e.get("time")), "reason": e.get("reason")} for e in decided
+        ],
         "loadavg_1m": os.getloadavg()[0],
     }
+
+
+def since(applied: float, stamp: Any) -> float | None:
+    """Seconds from the apply to a status timestamp (RFC 3339), or None."""
+    if not stamp:
+        return None
+    return round(datetime.fromisoformat(str(stamp).replace("Z", "+00:00")).timestamp() - applied, 1)
+
+
+ORDER = {"Failed": 3, "Error": 2, "Inconclusive": 1, "Successful": 0}
+
+
+def windows(entries: Any, applied: float) -> list[dict[str, Any]]:
+    """One row per analysis window: seconds after the apply, the worst objective's outcome, and
+    the evidence of the objectives that were not Successful (why a window did not pass)."""
+    by_time: dict[str, list[dict[str, Any]]] = {}
+    for e in entries:
+        by_time.setdefault(str(e.get("time")), []).append(e)
+    rows = []
+    for stamp, group in sorted(by_time.items()):
+        worst = max(group, key=lambda e: ORDER.get(str(e.get("outcome")), 0))
+        rows.append(
+            {
+                "at": since(applied, stamp),
+                "outcome": worst.get("outcome"),
+                "why": sorted(
+                    {f"{e.get('metric')}: {e.get('evidence')}" for e in group if e.get("outcome") != "Successful"}
+                ),
+            }
+        )
+    return rows
 
 
 def simulator_cell(rate: float, rollouts: int, out: Path) -> dict[str, Any]:
@@ -202,6 +249,10 @@ def simulator_cell(rate: float, rollouts: int, out: Path) -> dict[str, Any]:
     return rows[0]
 
 
+def mean(values: list[float]) -> float | None:
+    return round(sum(values) / len(values), 1) if values else None
+
+
 def summarize_real(rollouts: list[dict[str, Any]], late_sends: int | None) -> dict[str, Any]:
     """The real rollouts' outcomes, as canary_eval writes a cell's (shares of the rollouts)."""
     n = len(rollouts)
@@ -221,6 +272,18 @@ def summarize_real(rollouts: list[dict[str, Any]], late_sends: int | None) -> di
         else None,
         "failed_analyses": sum(r["failed_analyses"] for r in rollouts),
         "analyses": sum(r["analyses"] for r in rollouts),
+        # where a promoted rollout's time went (the simulator has every pod ready at once)
+        "mean_seconds_waiting_for_canary_pods": mean(
+            [
+                s["clock_started"] - s["entered"]
+                for r in promoted
+                for s in r.get("steps", [])
+                if s["clock_started"] is not None and s["entered"] is not None
+            ]
+        ),
+        "windows_by_outcome": dict(
+            sorted(Counter(w["outcome"] for r in rollouts for w in r.get("windows", [])).items())
+        ),
         "replay_late_sends": late_sends,
     }
 
