@@ -41,6 +41,7 @@ from batchpilot_localdev.harness import RuntimeHarness  # noqa: E402
 from batchpilot_localdev.load import TraceReplay  # noqa: E402
 from batchpilot_localdev.prometheus import PrometheusServer  # noqa: E402
 from batchpilot_localdev.scenario import start_operator  # noqa: E402
+from batchpilot_operator.analysis import Outcome, combine  # noqa: E402
 from batchpilot_operator.spec import parse_spec  # noqa: E402
 from canary_eval import make_trace  # noqa: E402
 
@@ -169,19 +170,19 @@ def one_rollout(stack: Stack, queue: int, timeout: float) -> dict[str, Any]:
         if outcome is not None:
             break
         time.sleep(1.0)
-    failed = [e for e in seen.values() if e.get("outcome") == "Failed"]
     decided = [e for e in status.get("ledger") or [] if e.get("revision") == revision and e.get("kind") != "Analysis"]
+    analysed = windows(seen.values(), applied)
     return {
         "revision": revision,
         "outcome": outcome or "unfinished",
         "seconds": round(time.monotonic() - t0, 1),
-        "analyses": len({e.get("time") for e in seen.values()}),
-        "failed_analyses": len({e.get("time") for e in failed}),
+        "analyses": len(analysed),
+        "failed_analyses": sum(w["outcome"] == Outcome.FAILED for w in analysed),
         "evidence": [e.get("evidence") for e in decided if e.get("kind") in ("RolledBack", "Stalled")][:3],
         # where the time went: each step's entry and the start of its clock (its canary pods all
         # ready, plus the warm-up), and every analysis window: when, and its worst objective
         "steps": [{"step": i, **v} for i, v in sorted(steps.items())],
-        "windows": windows(seen.values(), applied),
+        "windows": analysed,
         "decisions": [
             {"kind": e.get("kind"), "at": since(applied, e.get("time")), "reason": e.get("reason")} for e in decided
         ],
@@ -196,9 +197,6 @@ def since(applied: float, stamp: Any) -> float | None:
     return round(datetime.fromisoformat(str(stamp).replace("Z", "+00:00")).timestamp() - applied, 1)
 
 
-ORDER = {"Failed": 3, "Error": 2, "Inconclusive": 1, "Successful": 0}
-
-
 def windows(entries: Any, applied: float) -> list[dict[str, Any]]:
     """One row per analysis window: seconds after the apply, the worst objective's outcome, and
     the evidence of the objectives that were not Successful (why a window did not pass)."""
@@ -207,11 +205,10 @@ def windows(entries: Any, applied: float) -> list[dict[str, Any]]:
         by_time.setdefault(str(e.get("time")), []).append(e)
     rows = []
     for stamp, group in sorted(by_time.items()):
-        worst = max(group, key=lambda e: ORDER.get(str(e.get("outcome")), 0))
         rows.append(
             {
                 "at": since(applied, stamp),
-                "outcome": worst.get("outcome"),
+                "outcome": combine([Outcome(str(e.get("outcome"))) for e in group]).value,
                 "why": sorted(
                     {f"{e.get('metric')}: {e.get('evidence')}" for e in group if e.get("outcome") != "Successful"}
                 ),
