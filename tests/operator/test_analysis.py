@@ -359,6 +359,36 @@ def test_thin_lane_is_inconclusive_even_when_breaching() -> None:
     assert "too few" in result.evidence(only=[Outcome.INCONCLUSIVE])
 
 
+def test_a_canary_thin_in_every_window_is_judged_on_its_tally() -> None:
+    # The shipped gateway example's 10% step at 30 req/s: ~85 canary requests per window, under
+    # minSamples. Each window alone is too few; the tally of the windows before it is not, and
+    # the verdict is on the tally: a canary slow in every request is rolled back, a clean one
+    # passes, instead of "too few" until maxInconclusive stalls the rollout.
+    spec = make_spec(lanes=1)  # minSamples 50
+    thin = 30.0
+    bad = _table(canary__interactive__queueAge=(0.09, thin, thin))
+    good = _table(**{f"canary__interactive__{m}": (0.001, thin, 0.0) for m in ("p99Latency", "queueAge", "errorRate")})
+    for table, outcome in ((bad, Outcome.FAILED), (good, Outcome.SUCCESSFUL)):
+        history: dict[str, list[list[float]]] = {}
+        thin_windows = 0
+        for _ in range(6):
+            result = _analyse(DictBackend(table), spec, history)
+            check = result.lanes[0].check("queueAge")
+            assert check is not None
+            if not check.thin:
+                break
+            assert "too few" in check.describe()
+            thin_windows += 1
+            history = result.tally
+        # the first window alone is too few (30 < 50); from the second, the tally (60) decides
+        assert thin_windows == 1
+        assert check.outcome is outcome, check.describe()
+        assert check.tally == pytest.approx((2 * thin if outcome is Outcome.FAILED else 0.0, 2 * thin))
+    # A tally still short of minSamples stays too few, however bad.
+    once = _analyse(DictBackend(bad), spec).lanes[0].check("queueAge")
+    assert once is not None and once.thin and "too few" in once.describe()
+
+
 def test_stable_track_never_decides_alone() -> None:
     # the stable track far over its SLO, or with no data, does not fail a canary that meets it
     table = _table(stable__interactive__p99Latency=(5.0, 900.0, 900.0), stable__background__queueAge=(None, None, None))

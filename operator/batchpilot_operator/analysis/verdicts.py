@@ -14,6 +14,7 @@ from batchpilot_operator.analysis.checks import (
     check_metric,
     judge,
     judge_client_errors,
+    judged_on_tally,
     sequential_needed,
     slice_confidence,
 )
@@ -175,11 +176,18 @@ def verdicts(
         lane_checks = by_lane.get(key)
         if lane_checks is None:
             return None
-        stable = tuple(lane_checks["stable"])
+
+        # The lane's total, thin in this window but not over its tally, is judged on the tally
+        # (checks.judged_on_tally); a tenant slice thin in the window stays thin, counted for
+        # nothing (LaneVerdict), as docs/tenants.md promises a tenant that sends little.
+        def on_tally(c: MetricCheck, track: Track) -> MetricCheck:
+            return c if tenant is not None else judged_on_tally(c, sl.get((track, key, c.metric)), min_samples)
+
+        stable = tuple(on_tally(s, "stable") for s in lane_checks["stable"])
         needed = sequential_needed(spec, tenant is not None)
         canary = tuple(
             (judge_client_errors if objective(c.metric).stable_only else judge)(
-                c,
+                on_tally(c, "canary"),
                 next((s for s in stable if s.metric == c.metric), None),
                 confidence,
                 sl.get(("canary", key, c.metric)),
