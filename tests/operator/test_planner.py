@@ -333,9 +333,25 @@ def test_inconclusive_streak_stalls_but_never_rolls_back() -> None:
     assert d.status.rollout is not None and d.status.rollout.inconclusive_streak == 10
     assert d.status.failed_revisions == [] and d.canary_revision == make_spec(batch=16).revision()
     assert next(e for e in d.status.ledger if e.kind == "Stalled").reason == "InconclusiveLimit"
+    stalled = d.status.condition("Stalled")
+    assert stalled is not None and "the canary got no request; check the route" in stalled.message
     d = sim.tick(at(330))
     assert cond(d.status, "Stalled")[0] == "False"
     assert d.status.current_step_index == 1
+
+
+def test_a_stall_on_thin_traffic_says_what_would_gather_enough() -> None:
+    # 10 requests a 30 s window against minSamples 50: the tally of 4 windows holds 40, never
+    # enough; at 1/3 request a second a 38 s window would gather 50 over 4 of them.
+    sim = healthy(make_spec())
+    start_canary(sim, at(0), make_spec(batch=16))
+    for i in range(1, 4):
+        d = sim.tick(at(30 * i), samples=10)
+    stalled = d.status.condition("Stalled")
+    assert stalled is not None and stalled.reason == "InconclusiveLimit", stalled
+    assert "lane interactive's canary got 10 requests in the last 30s window (0.33/s)" in stalled.message
+    assert "an analysisInterval of 38s or more gathers them, or a larger step weight" in stalled.message
+    assert "holding, not rolling back" in stalled.message
 
 
 def test_nan_or_no_data_is_inconclusive_not_failed() -> None:

@@ -8,6 +8,7 @@ import math
 from typing import Any
 
 from batchpilot_operator.analysis import (
+    TALLY_ANALYSES,
     AnalysisResult,
     LaneVerdict,
     MetricCheck,
@@ -113,6 +114,38 @@ def last_evidence(p: PlanState) -> str:
         for lane in la.lanes
     ]
     return f"last analysis {la.outcome}: " + "; ".join(parts)
+
+
+def inconclusive_advice(p: PlanState) -> str:
+    """Why a streak of Inconclusive analyses stalled the rollout, and what would end it.
+
+    A canary too thin to judge (fewer than ``minSamples`` requests in its window and in the
+    tally of its last analyses, ``analysis.judged_on_tally``) gets the numbers: its rate in the
+    last window, and the ``analysisInterval`` at which the tally would hold ``minSamples``.
+    Otherwise the analyses saw breaches they could not pin on the canary (the stable breaching
+    too, or the rollout's evidence still short): the last analysis says which."""
+    spec = p.spec.rollout
+    need = spec.min_samples
+    la = p.st.last_analysis
+    thin = [lane for lane in la.lanes if (lane.samples or 0.0) < need] if la is not None else []
+    hand = "holding, not rolling back (`kubectl batchpilot promote` or `abort` decides by hand)"
+    if not thin:
+        evidence = last_evidence(p)
+        return f"breaches the analyses could not pin on the canary ({evidence}); {hand}"
+    lane = min(thin, key=lambda lane: lane.samples or 0.0)
+    got = lane.samples or 0.0
+    rate = got / spec.analysis_interval
+    text = (
+        f"lane {lane.lane}'s canary got {got:.0f} requests in the last {spec.analysis_interval:g}s window "
+        f"({rate:.2g}/s); a verdict needs minSamples ({need}) in a window or in the tally of its last "
+        f"{TALLY_ANALYSES}"
+    )
+    if rate > 0:
+        interval = math.ceil(need / (rate * TALLY_ANALYSES))
+        text += f": at this rate an analysisInterval of {interval}s or more gathers them, or a larger step weight"
+    else:
+        text += ": the canary got no request; check the route's weights and the canary pods"
+    return f"{text}; {hand}"
 
 
 def json_float(value: float | None) -> float | None:

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 from datetime import datetime, timedelta
 
+from batchpilot_operator.rollout.evidence import inconclusive_advice
 from batchpilot_operator.rollout.inputs import POLL_SECONDS, ROUTE_DRAIN_SECONDS, Decision
 from batchpilot_operator.rollout.schedule import next_analysis_at, percent, split_for
 from batchpilot_operator.rollout.state import PlanState, ts
@@ -265,8 +266,7 @@ def stall_reason(p: PlanState) -> tuple[str, str] | None:
             )
         return (
             "InconclusiveLimit",
-            f"{r.inconclusive_streak} Inconclusive analyses in a row (fewer than "
-            f"{p.spec.rollout.min_samples} samples); holding, not rolling back",
+            f"{r.inconclusive_streak} Inconclusive analyses in a row: {inconclusive_advice(p)}",
         )
     return None
 
