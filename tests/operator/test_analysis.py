@@ -384,6 +384,8 @@ def test_a_canary_thin_in_every_window_is_judged_on_its_tally() -> None:
         assert thin_windows == 1
         assert check.outcome is outcome, check.describe()
         assert check.tally == pytest.approx((2 * thin if outcome is Outcome.FAILED else 0.0, 2 * thin))
+        if outcome is Outcome.SUCCESSFUL:  # the window's count and the tally's it was judged on
+            assert "(30 requests, 60 with the earlier analyses)" in check.describe()
     # A tally still short of minSamples stays too few, however bad.
     once = _analyse(DictBackend(bad), spec).lanes[0].check("queueAge")
     assert once is not None and once.thin and "too few" in once.describe()

@@ -148,7 +148,10 @@ class MetricCheck:
                     f"{head}: {value} > {threshold} in this window, but {format_share(k / n if n else 0.0)} of "
                     f"{n:.0f} requests of the tally {objective(self.metric).bad}: within the {format_share(self.budget)} budget"
                 )
-            return f"{head}: {value} <= {threshold} ({samples} requests)"
+            earlier = ""
+            if self.tally is not None and self.tally[1] > (self.samples or 0) + 0.5:
+                earlier = f", {self.tally[1]:.0f} with the earlier analyses"  # what a thin window is judged on
+            return f"{head}: {value} <= {threshold} ({samples} requests{earlier})"
         stable = self.stable
         vs = ""
         if stable is not None and stable.value is not None and stable.bad_fraction is not None:
