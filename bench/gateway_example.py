@@ -1,0 +1,361 @@
+"""The shipped gateway example, applied as shipped, through the real gateway: good and bad changes.
+
+``manifests/examples/gateway-canary.yaml`` is applied with ``kubectl apply -f`` exactly as it is
+in the repository (its 2 replicas, steps 10/25/50 of 5 minutes, a 30 s warm-up and analysis
+interval, p99 50 ms and queue age 10 ms, ``minCanaryLoadRatio: 0.5``; device ``cuda`` and
+float16), with the HTTPRoute of ``manifests/examples/gateway/httproute.yaml`` in front of it
+(only its backend ports are the local track proxies', see ``batchpilot_localdev/gateway.py``),
+served by Contour and Envoy as a Gateway named ``models``. Then changes are applied the way a
+pull request would change the file: only the lane's batching, everything else as shipped.
+
+* a **good** change: the batch cap and queue bound raised (16 -> 32, 512 -> 1024), or back to
+  the example's own (whichever the stable does not run). At this load a batch holds one or two
+  requests and the queue never fills, so the canary batches as the stable does (an A/A with a
+  new revision). A longer window is no good change here: on this machine's CPU the model takes
+  4-9 ms a batch (on a GPU, well under 1), the stable's p99 queue age is already 14-16 ms against
+  the example's 10 ms SLO, and every millisecond of window adds to it;
+* a **bad** change: a window of 20 ms (twice the queue-age SLO), or batch 64 with a 45 ms
+  window (under the 50 ms p99, so admission lets both through: they fail only in service).
+
+Each rollout runs until it is promoted, rolled back or stalled (any ``Stalled`` condition), or
+``--timeout``; its outcome, its time, its analysis windows (when, the worst objective, why a
+window did not pass) and the operator's decisions are written to ``--out`` after each rollout,
+appended to what it already holds (runs of several sessions add up; a TERM stops cleanly).
+
+The local stack differs from a cluster in one way that touches the file: kwok's GPU nodes are
+fake, so the runtime harness runs the policy's ``cuda`` model on this machine's CPU (the
+harness's ``device="auto"``; the policy as applied still says ``cuda``). ``--namespaces N``
+runs N copies, each in its own namespace with its own Gateway, under one operator and one
+Prometheus (the example's 5-minute pauses make one good rollout take about 17 minutes); on a
+2-core machine keep 1: with 3 copies the 9 runtime processes' model calls on the CPU put the
+stable's p99 at 285 ms against the example's 50 ms SLO, and no verdict means anything there. The load is Poisson at ``--rate`` per namespace, sent to the Gateway's listener:
+Envoy splits it by the route's weights, as in a cluster.
+
+    .venv/bin/python bench/gateway_example.py --good 10 --bad 10 --out bench/results/gateway_example.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import copy
+import json
+import os
+import platform
+import random
+import signal
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT / "bench"))
+
+from batchpilot_localdev.cluster import LocalCluster  # noqa: E402
+from batchpilot_localdev.gateway import LocalGateway  # noqa: E402
+from batchpilot_localdev.harness import RuntimeHarness  # noqa: E402
+from batchpilot_localdev.load import TraceReplay  # noqa: E402
+from batchpilot_localdev.prometheus import PrometheusServer, ScrapeTarget  # noqa: E402
+from batchpilot_localdev.scenario import start_operator  # noqa: E402
+from batchpilot_operator.spec import parse_spec  # noqa: E402
+from real_aa import since, windows  # noqa: E402
+
+EXAMPLE = ROOT / "manifests" / "examples" / "gateway-canary.yaml"
+ROUTE = ROOT / "manifests" / "examples" / "gateway" / "httproute.yaml"
+GOOD = ({"maxBatchSize": 16, "maxQueueLength": 512}, {"maxBatchSize": 32, "maxQueueLength": 1024})
+BAD_CHANGES: tuple[dict[str, Any], ...] = (
+    {"maxQueueDelay": "20ms"},
+    {"maxQueueDelay": "45ms", "maxBatchSize": 64},
+)
+
+
+class SharedTargets:
+    """One Prometheus for several runtime harnesses: each harness's targets (its namespace's
+    pods, labelled with the namespace) are kept apart and the union is written."""
+
+    def __init__(self, prom: PrometheusServer) -> None:
+        self.prom = prom
+        self.lock = threading.Lock()
+        self.by_key: dict[str, list[ScrapeTarget]] = {}
+
+    def view(self, key: str) -> PrometheusServer:
+        shared = self
+
+        class _View:
+            def set_targets(self, targets: Sequence[ScrapeTarget]) -> None:
+                with shared.lock:
+                    shared.by_key[key] = list(targets)
+                    shared.prom.set_targets([t for ts in shared.by_key.values() for t in ts])
+
+        return _View()  # type: ignore[return-value]  # RuntimeHarness only sets targets
+
+
+def poisson(rate: float, seconds: float, seed: int) -> list[float]:
+    rng = random.Random(seed)
+    out, t = [], 0.0
+    while t < seconds:
+        t += rng.expovariate(rate)
+        out.append(t)
+    return out
+
+
+def outcome_of(status: dict[str, Any], revision: str) -> str | None:
+    """How the rollout of ``revision`` ended, from a status that has seen it (None: not yet).
+    A ``Stalled`` condition counts only while this revision's canary is the rollout: after a
+    rollback the condition stays True (reason RolledBack) until the next change is reconciled."""
+    if status.get("desiredRevision") != revision:
+        return None
+    if status.get("stableRevision") == revision and status.get("phase") == "Healthy":
+        return "Promoted"
+    if status.get("phase") == "RolledBack":
+        return "RolledBack"
+    if (status.get("rollout") or {}).get("revision") != revision:
+        return None
+    for c in status.get("conditions") or []:
+        if c.get("type") == "Stalled" and c.get("status") == "True":
+            return f"Stalled:{c.get('reason')}"
+    return None
+
+
+class Lane:
+    """One namespace: its Gateway, runtime harness, route, the example policy and its load."""
+
+    def __init__(
+        self, cluster: LocalCluster, prom: PrometheusServer, shared: SharedTargets, ns: str, rate: float, seed: int
+    ) -> None:
+        self.cluster, self.ns, self.rate = cluster, ns, rate
+        self.kubectl_bin = str(cluster.bin_dir / "kubectl")
+        self.example = yaml.safe_load(EXAMPLE.read_text())
+        self.name = self.example["metadata"]["name"]
+        self.kubectl("create", "namespace", ns)
+        workdir = cluster.workdir.parent / ns
+        self.harness = RuntimeHarness(
+            cluster.kubeconfig, ns, workdir / "runtime", shared.view(ns), device="auto"
+        ).start()
+        self.gateway = LocalGateway(
+            cluster.kubeconfig, self.kubectl_bin, workdir / "gateway", ns, self.harness.endpoints
+        )
+        self.gateway.gateway = yaml.safe_load(ROUTE.read_text())["spec"]["parentRefs"][0]["name"]
+        self.gateway.start()
+        self.gateway.add_policy(self.name)
+        route = yaml.safe_load(ROUTE.read_text())
+        route["metadata"]["namespace"] = ns
+        for ref in route["spec"]["rules"][0]["backendRefs"]:
+            track = ref["name"].rsplit("-", 1)[1]
+            ref["port"] = self.gateway.proxy.ports[(self.name, track)]
+        self.kubectl("apply", "--server-side", "--field-manager=argocd-controller", "-f", "-", stdin=json.dumps(route))
+        # The example exactly as the repository has it.
+        self.kubectl("apply", "-n", ns, "-f", str(EXAMPLE))
+        self.stable_lane = dict(self.example["spec"]["lanes"][0])
+        self.replay: TraceReplay | None = None
+        self.seed = seed
+
+    def kubectl(self, *args: str, stdin: str | None = None) -> str:
+        return subprocess.run(
+            [self.kubectl_bin, f"--kubeconfig={self.cluster.kubeconfig}", *args],
+            input=stdin,
+            capture_output=True,
+            text=True,
+            check=True,
+        ).stdout
+
+    def status(self) -> dict[str, Any]:
+        doc = json.loads(self.kubectl("get", "batchingpolicy", self.name, "-n", self.ns, "-o", "json"))
+        status: dict[str, Any] = doc.get("status") or {}
+        return status
+
+    def start_load(self, seconds: float) -> None:
+        self.harness.wait_ready(self.name, self.example["spec"]["replicas"], timeout=300)
+        self.gateway.wait_serving(f"/v2/models/{self.example['spec']['model']['name']}/ready", timeout=120)
+        front = [self.gateway.front()]
+        arrivals = poisson(self.rate, seconds, self.seed)
+        self.replay = TraceReplay(arrivals, lambda: front, self.example["spec"]["model"]["name"]).start()
+
+    def change(self, kind: str, index: int) -> dict[str, Any]:
+        """The example with its one lane changed: good is the GOOD the stable does not run, bad
+        one of BAD_CHANGES (on the stable's lane)."""
+        doc = copy.deepcopy(self.example)
+        lane = doc["spec"]["lanes"][0]
+        lane.update(self.stable_lane)
+        if kind == "good":
+            lane.update(next(g for g in GOOD if any(self.stable_lane[k] != v for k, v in g.items())))
+        else:
+            lane.update(BAD_CHANGES[index % len(BAD_CHANGES)])
+        return doc
+
+    def rollout(self, kind: str, index: int, timeout: float) -> dict[str, Any]:
+        doc = self.change(kind, index)
+        lane = doc["spec"]["lanes"][0]
+        revision = parse_spec(doc["spec"]).revision()
+        applied = time.time()
+        t0 = time.monotonic()
+        self.kubectl("apply", "-n", self.ns, "-f", "-", stdin=yaml.safe_dump(doc))
+        seen: dict[str, dict[str, Any]] = {}
+        steps: dict[int, dict[str, float | None]] = {}
+        underfed: set[str] = set()
+        outcome, status = None, {}
+        while time.monotonic() - t0 < timeout:
+            status = self.status()
+            for entry in status.get("ledger") or []:
+                if entry.get("kind") == "Analysis" and entry.get("revision") == revision:
+                    seen[f"{entry.get('time')}/{entry.get('metric')}/{entry.get('tenant')}"] = entry
+            r = status.get("rollout") or {}
+            if r.get("revision") == revision:
+                step = steps.setdefault(int(r.get("stepIndex", 0)), {"entered": None, "clock_started": None})
+                step["entered"] = since(applied, r.get("stepEnteredAt"))
+                step["clock_started"] = since(applied, r.get("stepStartedAt"))
+                if r.get("underfed"):
+                    underfed.add(json.dumps(r["underfed"], sort_keys=True))
+            outcome = outcome_of(status, revision)
+            if outcome is not None:
+                break
+            time.sleep(2.0)
+        if outcome == "Promoted":
+            self.stable_lane = dict(lane)
+        decided = [
+            e for e in status.get("ledger") or [] if e.get("revision") == revision and e.get("kind") != "Analysis"
+        ]
+        return {
+            "namespace": self.ns,
+            "kind": kind,
+            "lane": {k: lane[k] for k in ("maxBatchSize", "maxQueueDelay", "maxQueueLength")},
+            "revision": revision,
+            "outcome": outcome or "unfinished",
+            "seconds": round(time.monotonic() - t0, 1),
+            "steps": [{"step": i, **v} for i, v in sorted(steps.items())],
+            "windows": windows(seen.values(), applied),
+            "decisions": [
+                {"kind": e.get("kind"), "at": since(applied, e.get("time")), "reason": e.get("reason")} for e in decided
+            ],
+            "underfed": [json.loads(u) for u in sorted(underfed)],
+            "loadavg_1m": os.getloadavg()[0],
+        }
+
+    def stop(self) -> None:
+        if self.replay is not None:
+            self.replay.stop()
+        self.gateway.stop()
+        self.harness.stop()
+
+
+def summarize(rollouts: list[dict[str, Any]]) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for kind, want in (("good", "Promoted"), ("bad", "RolledBack")):
+        rs = [r for r in rollouts if r["kind"] == kind]
+        hit = [r for r in rs if r["outcome"] == want]
+        out[kind] = {
+            "rollouts": len(rs),
+            want.lower(): len(hit),
+            "other": sorted({r["outcome"] for r in rs if r["outcome"] != want}),
+            "mean_seconds": round(sum(r["seconds"] for r in hit) / len(hit), 1) if hit else None,
+            "mean_analyses": round(sum(len(r["windows"]) for r in hit) / len(hit), 2) if hit else None,
+        }
+    return out
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--good", type=int, default=10)
+    p.add_argument("--bad", type=int, default=10)
+    p.add_argument("--namespaces", type=int, default=1, help="copies of the example run in parallel")
+    p.add_argument("--rate", type=float, default=30.0, help="Poisson req/s through each namespace's Gateway")
+    p.add_argument("--timeout", type=float, default=1800.0, help="seconds a rollout may take before it is unfinished")
+    p.add_argument("--workdir", type=Path, default=Path("/tmp/batchpilot-gateway-example"))
+    p.add_argument("--out", type=Path, required=True)
+    args = p.parse_args()
+    # a TERM (a kill, a CI timeout) unwinds through the finally below: every process stopped
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
+    started = time.time()
+    earlier = json.loads(args.out.read_text()) if args.out.exists() else {}
+    previous: list[dict[str, Any]] = earlier.get("rollouts", [])
+
+    def write(rollouts: list[dict[str, Any]]) -> dict[str, Any]:
+        """The results so far, earlier runs' included: written after every rollout, so an
+        interrupted run (or a session's end) keeps what it measured and the next run appends."""
+        this_run = {
+            "command": " ".join([Path(sys.executable).name, *sys.argv]),
+            "started": started,
+            "elapsed_s": round(time.time() - started, 1),
+            "rollouts": len(rollouts),
+            "namespaces": args.namespaces,
+            "rate": args.rate,
+            "machine": {"cpus": os.cpu_count(), "platform": platform.platform()},
+        }
+        doc = {
+            "runs": [*earlier.get("runs", []), this_run],
+            "example": yaml.safe_load(EXAMPLE.read_text()),
+            "summary": summarize(previous + rollouts),
+            "rollouts": previous + rollouts,
+        }
+        args.out.write_text(json.dumps(doc, indent=1))
+        return doc
+
+    queue = [k for pair in zip(["good"] * args.good, ["bad"] * args.bad, strict=False) for k in pair]
+    queue += ["good"] * (args.good - args.bad) + ["bad"] * (args.bad - args.good)
+    with contextlib.suppress(FileNotFoundError):
+        subprocess.run(["rm", "-rf", str(args.workdir)], check=True)
+    cluster = LocalCluster.start(args.workdir / "cluster", gpu_nodes=3)
+    prom: PrometheusServer | None = None
+    operator: subprocess.Popen[bytes] | None = None
+    lanes: list[Lane] = []
+    rollouts: list[dict[str, Any]] = []
+    lock = threading.Lock()
+    try:
+        kubectl = [str(cluster.bin_dir / "kubectl"), f"--kubeconfig={cluster.kubeconfig}"]
+        subprocess.run([*kubectl, "apply", "-f", str(ROOT / "crds" / "batchingpolicy.yaml")], check=True)
+        cluster.wait_established("batchingpolicies.batchpilot.dev")
+        prom = PrometheusServer(args.workdir / "prometheus", scrape_interval="1s")
+        prom.start()
+        shared = SharedTargets(prom)
+        operator = start_operator(cluster.kubeconfig, prom.url, args.workdir / "operator.log")
+        for i in range(args.namespaces):
+            lanes.append(Lane(cluster, prom, shared, f"gw{i + 1}", args.rate, seed=i + 1))
+        for lane in lanes:
+            lane.start_load(args.timeout * (len(queue) + 2))
+        time.sleep(60)  # the stable's first windows fill before the first change (load, not a wait)
+
+        def work(lane: Lane) -> None:
+            while True:
+                with lock:
+                    if not queue:
+                        return
+                    kind = queue.pop(0)
+                    index = sum(r["kind"] == kind for r in previous + rollouts)
+                r = lane.rollout(kind, index, args.timeout)
+                with lock:
+                    rollouts.append(r)
+                    write(rollouts)
+                print(
+                    f"[gateway_example] {lane.ns} {kind} {r['lane']}: {r['outcome']} in {r['seconds']}s, "
+                    f"{len(r['windows'])} analyses",
+                    flush=True,
+                )
+
+        threads = [threading.Thread(target=work, args=(lane,), daemon=True) for lane in lanes]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+    finally:
+        for lane in lanes:
+            with contextlib.suppress(Exception):
+                lane.stop()
+        if operator is not None and operator.poll() is None:
+            operator.terminate()
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                operator.wait(timeout=15)
+        if prom is not None:
+            prom.stop()
+        cluster.stop()
+    print(json.dumps(write(rollouts)["summary"], indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
