@@ -180,7 +180,7 @@ class Lane:
     def change(self, kind: str, index: int) -> dict[str, Any]:
         """The example with its one lane changed: good is the GOOD the stable does not run, bad
         one of BAD_CHANGES (on the stable's lane)."""
-        doc = copy.deepcopy(self.example)
+        doc: dict[str, Any] = copy.deepcopy(self.example)
         lane = doc["spec"]["lanes"][0]
         lane.update(self.stable_lane)
         if kind == "good":
