@@ -15,7 +15,8 @@ pull request would change the file: only the lane's batching, everything else as
   4-9 ms a batch (on a GPU, well under 1), the stable's p99 queue age is already 14-16 ms against
   the example's 10 ms SLO, and every millisecond of window adds to it;
 * a **bad** change: a window of 20 ms (twice the queue-age SLO), or batch 64 with a 45 ms
-  window (under the 50 ms p99, so admission lets both through: they fail only in service).
+  window (under the 50 ms p99, so admission lets both through: they fail only in service),
+  each with a queue bound one above the last bad change's, so that every one is a new revision.
 
 Each rollout runs until it is promoted, rolled back or stalled (any ``Stalled`` condition), or
 ``--timeout``; its outcome, its time, its analysis windows (when, the worst objective, why a
@@ -187,6 +188,9 @@ class Lane:
             lane.update(next(g for g in GOOD if any(self.stable_lane[k] != v for k, v in g.items())))
         else:
             lane.update(BAD_CHANGES[index % len(BAD_CHANGES)])
+            # each bad change a new revision: the operator does not retry a revision it rolled
+            # back (the 5th bad change here was the 1st again and ended at once, unjudged)
+            lane["maxQueueLength"] = int(self.stable_lane["maxQueueLength"]) + 1 + index
         return doc
 
     def rollout(self, kind: str, index: int, timeout: float) -> dict[str, Any]:
@@ -218,6 +222,11 @@ class Lane:
             time.sleep(2.0)
         if outcome == "Promoted":
             self.stable_lane = dict(lane)
+        started = any(
+            e.get("kind") == "CanaryStarted" and e.get("revision") == revision for e in status.get("ledger") or []
+        )
+        if outcome == "RolledBack" and not started:
+            outcome = "NotRetried"  # a revision rolled back before: not a verdict on this change
         decided = [
             e for e in status.get("ledger") or [] if e.get("revision") == revision and e.get("kind") != "Analysis"
         ]
