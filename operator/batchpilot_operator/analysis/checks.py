@@ -231,9 +231,19 @@ def check_metric(
     threshold: float,
     min_samples: int,
     budget: float = P99_BUDGET,
+    tally: Slices | None = None,
 ) -> MetricCheck:
     """One track's metric from its raw measurements, judged on its own (no comparison yet):
-    Error, Inconclusive (too few samples or no data), Failed (over budget) or Successful."""
+    Error, Inconclusive (too few samples or no data), Failed (over budget) or Successful.
+
+    ``tally``: the track's pooled sub-windows (this window's and the earlier analyses' that fed
+    the canary alike, :func:`tally.pooled`). A window with fewer than ``minSamples`` requests
+    whose tally holds ``minSamples`` is not too few: :func:`judge` runs on the tally's counts
+    anyway. Without this, a canary fed less than ``minSamples`` per window (the shipped gateway
+    example's 10% step at 30 req/s: about 85 requests in 30 s) was never judged at all: a bad
+    change served its share until two windows happened to reach 100, a good one could not pass.
+    The sequential gate bounds the false-rollback rate however thin each look is. A window
+    without a request on the track stays thin: it has nothing to add."""
     mq = queries.metric(metric)
     missing = "not measured"
     value_m = measurements.get(mq.value, Measurement(mq.value, error=missing))
@@ -264,7 +274,7 @@ def check_metric(
     )
     if error is not None:
         outcome = Outcome.ERROR
-    elif samples is None or samples < min_samples or value is None or bad is None:
+    elif samples is None or value is None or bad is None or not _enough(samples, tally, min_samples):
         outcome = Outcome.INCONCLUSIVE
     elif check.breaches():
         outcome = Outcome.FAILED
@@ -273,23 +283,9 @@ def check_metric(
     return dataclasses.replace(check, outcome=outcome)
 
 
-def judged_on_tally(check: MetricCheck, tally: Slices | None, min_samples: int) -> MetricCheck:
-    """A check thin only because this window has fewer than ``minSamples`` requests, judged
-    on its tally instead when the tally (this window's sub-windows and the earlier analyses'
-    that feed the canary alike, :func:`tally.pooled`) holds ``minSamples`` of them.
-
-    Without this, a canary fed less than ``minSamples`` per analysis window (the shipped
-    gateway example's 10% step at 30 req/s: about 85 requests in 30 s) was never judged at
-    all: every window "too few", a bad change serving its share until ``maxInconclusive``
-    stalled the rollout, a good one never promoted. The tests of :func:`judge` already run on
-    the tally (counts of bad events, not this window's p99), and the sequential gate bounds
-    the false-rollback rate however thin each look is. A window without a request on the
-    track (no value) stays thin: it has nothing to add."""
-    if not check.thin or check.value is None or check.bad is None or not check.samples or not tally:
-        return check
-    if _totals(tally)[1] < min_samples:
-        return check
-    return dataclasses.replace(check, outcome=Outcome.FAILED if check.breaches() else Outcome.SUCCESSFUL)
+def _enough(samples: float, tally: Slices | None, min_samples: int) -> bool:
+    """``minSamples`` requests in the window, or in its tally when the window has any."""
+    return samples >= min_samples or (samples > 0 and tally is not None and _totals(tally)[1] >= min_samples)
 
 
 def _least(*confidences: float | None) -> float | None:

@@ -14,7 +14,6 @@ from batchpilot_operator.analysis.checks import (
     check_metric,
     judge,
     judge_client_errors,
-    judged_on_tally,
     sequential_needed,
     slice_confidence,
 )
@@ -168,6 +167,10 @@ def verdicts(
                     threshold=thresholds[metric],
                     min_samples=min_samples,
                     budget=budgets[metric],
+                    # a lane's total thin in this window is judged on its tally; a tenant slice
+                    # thin in the window stays thin, counted for nothing (LaneVerdict), as
+                    # docs/tenants.md promises a tenant that sends little
+                    tally=sl.get((lq.track, lq.key, metric)) if lq.tenant is None else None,
                 )
             )
 
@@ -176,18 +179,11 @@ def verdicts(
         lane_checks = by_lane.get(key)
         if lane_checks is None:
             return None
-
-        # The lane's total, thin in this window but not over its tally, is judged on the tally
-        # (checks.judged_on_tally); a tenant slice thin in the window stays thin, counted for
-        # nothing (LaneVerdict), as docs/tenants.md promises a tenant that sends little.
-        def on_tally(c: MetricCheck, track: Track) -> MetricCheck:
-            return c if tenant is not None else judged_on_tally(c, sl.get((track, key, c.metric)), min_samples)
-
-        stable = tuple(on_tally(s, "stable") for s in lane_checks["stable"])
+        stable = tuple(lane_checks["stable"])
         needed = sequential_needed(spec, tenant is not None)
         canary = tuple(
             (judge_client_errors if objective(c.metric).stable_only else judge)(
-                on_tally(c, "canary"),
+                c,
                 next((s for s in stable if s.metric == c.metric), None),
                 confidence,
                 sl.get(("canary", key, c.metric)),

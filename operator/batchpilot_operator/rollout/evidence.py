@@ -120,7 +120,7 @@ def inconclusive_advice(p: PlanState) -> str:
     """Why a streak of Inconclusive analyses stalled the rollout, and what would end it.
 
     A canary too thin to judge (fewer than ``minSamples`` requests in its window and in the
-    tally of its last analyses, ``analysis.judged_on_tally``) gets the numbers: its rate in the
+    tally of its last analyses, ``analysis.check_metric``) gets the numbers: its rate in the
     last window, and the ``analysisInterval`` at which the tally would hold ``minSamples``.
     Otherwise the analyses saw breaches they could not pin on the canary (the stable breaching
     too, or the rollout's evidence still short): the last analysis says which."""
