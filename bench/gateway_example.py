@@ -65,7 +65,8 @@ from batchpilot_localdev.load import TraceReplay  # noqa: E402
 from batchpilot_localdev.prometheus import PrometheusServer, ScrapeTarget  # noqa: E402
 from batchpilot_localdev.scenario import start_operator  # noqa: E402
 from batchpilot_operator.spec import parse_spec  # noqa: E402
-from real_aa import since, windows  # noqa: E402
+from canary_eval import make_trace  # noqa: E402
+from real_aa import follow  # noqa: E402
 
 EXAMPLE = ROOT / "manifests" / "examples" / "gateway-canary.yaml"
 ROUTE = ROOT / "manifests" / "examples" / "gateway" / "httproute.yaml"
@@ -95,15 +96,6 @@ class SharedTargets:
                     shared.prom.set_targets([t for ts in shared.by_key.values() for t in ts])
 
         return _View()  # type: ignore[return-value]  # RuntimeHarness only sets targets
-
-
-def poisson(rate: float, seconds: float, seed: int) -> list[float]:
-    rng = random.Random(seed)
-    out, t = [], 0.0
-    while t < seconds:
-        t += rng.expovariate(rate)
-        out.append(t)
-    return out
 
 
 def outcome_of(status: dict[str, Any], revision: str) -> str | None:
@@ -175,7 +167,7 @@ class Lane:
         self.harness.wait_ready(self.name, self.example["spec"]["replicas"], timeout=300)
         self.gateway.wait_serving(f"/v2/models/{self.example['spec']['model']['name']}/ready", timeout=120)
         front = [self.gateway.front()]
-        arrivals = poisson(self.rate, seconds, self.seed)
+        arrivals = make_trace("poisson", self.rate, seconds, random.Random(self.seed))
         self.replay = TraceReplay(arrivals, lambda: front, self.example["spec"]["model"]["name"]).start()
 
     def change(self, kind: str, index: int) -> dict[str, Any]:
@@ -198,52 +190,18 @@ class Lane:
         lane = doc["spec"]["lanes"][0]
         revision = parse_spec(doc["spec"]).revision()
         applied = time.time()
-        t0 = time.monotonic()
         self.kubectl("apply", "-n", self.ns, "-f", "-", stdin=yaml.safe_dump(doc))
-        seen: dict[str, dict[str, Any]] = {}
-        steps: dict[int, dict[str, float | None]] = {}
-        underfed: set[str] = set()
-        outcome, status = None, {}
-        while time.monotonic() - t0 < timeout:
-            status = self.status()
-            for entry in status.get("ledger") or []:
-                if entry.get("kind") == "Analysis" and entry.get("revision") == revision:
-                    seen[f"{entry.get('time')}/{entry.get('metric')}/{entry.get('tenant')}"] = entry
-            r = status.get("rollout") or {}
-            if r.get("revision") == revision:
-                step = steps.setdefault(int(r.get("stepIndex", 0)), {"entered": None, "clock_started": None})
-                step["entered"] = since(applied, r.get("stepEnteredAt"))
-                step["clock_started"] = since(applied, r.get("stepStartedAt"))
-                if r.get("underfed"):
-                    underfed.add(json.dumps(r["underfed"], sort_keys=True))
-            outcome = outcome_of(status, revision)
-            if outcome is not None:
-                break
-            time.sleep(2.0)
-        if outcome == "Promoted":
+        record = follow(self.status, revision, applied, timeout, outcome_of, poll=2.0)
+        if record["outcome"] == "Promoted":
             self.stable_lane = dict(lane)
-        started = any(
-            e.get("kind") == "CanaryStarted" and e.get("revision") == revision for e in status.get("ledger") or []
-        )
-        if outcome == "RolledBack" and not started:
-            outcome = "NotRetried"  # a revision rolled back before: not a verdict on this change
-        decided = [
-            e for e in status.get("ledger") or [] if e.get("revision") == revision and e.get("kind") != "Analysis"
-        ]
+        if record["outcome"] == "RolledBack" and not any(d["kind"] == "CanaryStarted" for d in record["decisions"]):
+            record["outcome"] = "NotRetried"  # a revision rolled back before: not a verdict on this change
         return {
             "namespace": self.ns,
             "kind": kind,
             "lane": {k: lane[k] for k in ("maxBatchSize", "maxQueueDelay", "maxQueueLength")},
             "revision": revision,
-            "outcome": outcome or "unfinished",
-            "seconds": round(time.monotonic() - t0, 1),
-            "steps": [{"step": i, **v} for i, v in sorted(steps.items())],
-            "windows": windows(seen.values(), applied),
-            "decisions": [
-                {"kind": e.get("kind"), "at": since(applied, e.get("time")), "reason": e.get("reason")} for e in decided
-            ],
-            "underfed": [json.loads(u) for u in sorted(underfed)],
-            "loadavg_1m": os.getloadavg()[0],
+            **record,
         }
 
     def stop(self) -> None:

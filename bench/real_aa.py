@@ -29,6 +29,7 @@ import subprocess
 import sys
 import time
 from collections import Counter
+from collections.abc import Callable
 from datetime import datetime
 from pathlib import Path
 from typing import Any
@@ -151,36 +152,49 @@ def one_rollout(stack: Stack, queue: int, timeout: float) -> dict[str, Any]:
     doc = manifest(queue)
     revision = parse_spec(doc["spec"]).revision()
     applied = time.time()
-    t0 = time.monotonic()
     stack.apply(doc)
+    return {"revision": revision, **follow(stack.status, revision, applied, timeout, outcome_of)}
+
+
+def follow(
+    status: Callable[[], dict[str, Any]],
+    revision: str,
+    applied: float,
+    timeout: float,
+    ended: Callable[[dict[str, Any], str], str | None],
+    poll: float = 1.0,
+) -> dict[str, Any]:
+    """Read the policy's status every ``poll`` seconds until ``ended`` says how the rollout of
+    ``revision`` (applied at ``applied``) ended, or ``timeout``; the record of a real rollout
+    (this bench's and ``gateway_example.py``'s): its outcome and time, its analyses, where the
+    time went (each step's entry and the start of its clock: its canary pods all ready, plus the
+    warm-up; every analysis window: when, and its worst objective) and the decisions."""
+    t0 = time.monotonic()
     seen: dict[str, dict[str, Any]] = {}
     steps: dict[int, dict[str, float | None]] = {}  # per step: entered, clock started (s after apply)
-    outcome, status = None, {}
+    outcome, st = None, {}
     while time.monotonic() - t0 < timeout:
-        status = stack.status()
-        for entry in status.get("ledger") or []:
+        st = status()
+        for entry in st.get("ledger") or []:
             if entry.get("kind") == "Analysis" and entry.get("revision") == revision:
                 seen[f"{entry.get('time')}/{entry.get('metric')}/{entry.get('tenant')}"] = entry
-        rollout = status.get("rollout") or {}
+        rollout = st.get("rollout") or {}
         if rollout.get("revision") == revision:
             step = steps.setdefault(int(rollout.get("stepIndex", 0)), {"entered": None, "clock_started": None})
             step["entered"] = since(applied, rollout.get("stepEnteredAt"))
             step["clock_started"] = since(applied, rollout.get("stepStartedAt"))
-        outcome = outcome_of(status, revision)
+        outcome = ended(st, revision)
         if outcome is not None:
             break
-        time.sleep(1.0)
-    decided = [e for e in status.get("ledger") or [] if e.get("revision") == revision and e.get("kind") != "Analysis"]
+        time.sleep(poll)
+    decided = [e for e in st.get("ledger") or [] if e.get("revision") == revision and e.get("kind") != "Analysis"]
     analysed = windows(seen.values(), applied)
     return {
-        "revision": revision,
         "outcome": outcome or "unfinished",
         "seconds": round(time.monotonic() - t0, 1),
         "analyses": len(analysed),
         "failed_analyses": sum(w["outcome"] == Outcome.FAILED for w in analysed),
         "evidence": [e.get("evidence") for e in decided if e.get("kind") in ("RolledBack", "Stalled")][:3],
-        # where the time went: each step's entry and the start of its clock (its canary pods all
-        # ready, plus the warm-up), and every analysis window: when, and its worst objective
         "steps": [{"step": i, **v} for i, v in sorted(steps.items())],
         "windows": analysed,
         "decisions": [
