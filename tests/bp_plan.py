@@ -43,8 +43,10 @@ def measured(
     samples: float = 500,
     error: bool = False,
     per_lane: dict[str, dict[str, Any]] | None = None,
+    stable_values: dict[str, float] | None = None,
 ) -> AnalysisResult:
-    """An analysis of the status's canary, judged by the real verdict code."""
+    """An analysis of the status's canary, judged by the real verdict code. The stable is
+    healthy unless ``stable_values`` overrides its ``p99`` / ``queue_age`` (a breach both share)."""
     target = rollout.analysis_target(status)
     assert target is not None, "no canary to analyse"
     canary, stable = target
@@ -60,6 +62,8 @@ def measured(
         lane_error = o.get("error", error)
         if lq.track == "stable":
             lane_p99, lane_qa, lane_err, lane_error = 0.05, 0.005, 0.0, False
+            lane_p99 = (stable_values or {}).get("p99", lane_p99)
+            lane_qa = (stable_values or {}).get("queue_age", lane_qa)
         for m in lq.metrics:
             value = {"p99Latency": lane_p99, "queueAge": lane_qa, "errorRate": lane_err, "clientErrors": 0.0}[m.metric]
             if lane_error:

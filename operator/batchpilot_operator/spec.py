@@ -205,7 +205,10 @@ class RolloutSpec(_Spec):
         alias="maxInconclusive",
         ge=1,
         le=1000,
-        description="Inconclusive analyses in a row before the rollout stalls (it never rolls back for this)",
+        description=(
+            "Inconclusive analyses in a row before the rollout stalls (it never rolls back for this);"
+            " one that passes the step on a breach both tracks share is not counted"
+        ),
     )
     on_metrics_unavailable: OnMetricsUnavailable = Field(
         default_factory=OnMetricsUnavailable, alias="onMetricsUnavailable"

@@ -340,6 +340,34 @@ def test_inconclusive_streak_stalls_but_never_rolls_back() -> None:
     assert d.status.current_step_index == 1
 
 
+def test_a_breach_both_tracks_share_passes_the_step_without_stalling() -> None:
+    # Every window breaches the p99 SLO on both tracks alike (a CPU slower than the SLO
+    # assumes): each passes the step, none counts toward maxInconclusive, and the canary
+    # advances when the step's pause is over instead of showing Stalled on the way.
+    long_step = [{"weight": 25, "pause": "300s"}, {"weight": 50, "pause": "60s"}]
+    sim = healthy(make_spec(maxInconclusive=3, steps=long_step))
+    start_canary(sim, at(0), make_spec(batch=16, maxInconclusive=3, steps=long_step))
+    for i in range(1, 10):
+        d = sim.tick(at(30 * i), p99=9.0, stable_values={"p99": 9.0})
+        assert d.analysis_outcomes == ("Inconclusive",)
+        assert cond(d.status, "Stalled")[0] == "False", d.status.message
+        assert d.status.rollout is not None and d.status.rollout.inconclusive_streak == 0
+        assert d.status.current_step_index == 0
+    d = sim.tick(at(300), p99=9.0, stable_values={"p99": 9.0})
+    d = sim.tick(at(330), p99=9.0, stable_values={"p99": 9.0})
+    assert d.status.current_step_index == 1, d.status.message
+    # Windows that hold the step still count, across a shared breach between them (it
+    # neither counts nor resets): 3 thin windows stall the rollout, as without it.
+    sim = healthy(make_spec(maxInconclusive=3, steps=long_step))
+    start_canary(sim, at(0), make_spec(batch=16, maxInconclusive=3, steps=long_step))
+    for i, kw in enumerate(
+        [{"samples": 0}, {"p99": 9.0, "stable_values": {"p99": 9.0}}, {"samples": 0}, {"samples": 0}], start=1
+    ):
+        d = sim.tick(at(30 * i), **kw)
+    assert d.status.rollout is not None and d.status.rollout.inconclusive_streak == 3
+    assert cond(d.status, "Stalled") == ("True", "InconclusiveLimit")
+
+
 def test_a_stall_on_thin_traffic_says_what_would_gather_enough() -> None:
     # 10 requests a 30 s window against minSamples 50: the tally of 4 windows holds 40, never
     # enough; at 1/3 request a second a 38 s window would gather 50 over 4 of them.

@@ -23,7 +23,8 @@ Phases (``status.phase``, a closed enum; see :class:`~batchpilot_operator.status
 
 ``Stalled`` is a condition, not a phase, with reason ``MetricsUnavailable`` (Error under
 ``Hold``, or under ``Rollback`` before the deadline), ``InconclusiveLimit`` (maxInconclusive
-Inconclusive analyses in a row: the rollout holds, it never rolls back for thin traffic) or
+Inconclusive analyses in a row, not counting one that passes the step on a breach both tracks
+share: the rollout holds, it never rolls back for thin traffic) or
 ``RolledBack``. A canary whose pods are not all ready ``spec.rollout.progressDeadline``
 after its step began (unschedulable, crash loop) is rolled back with reason
 ``CanaryNotReady``, the pods' own reasons (:attr:`PlanInputs.pod_trouble`) as evidence:

@@ -125,7 +125,11 @@ def consume(p: PlanState, r: RolloutState, a: AnalysisResult) -> None:
         if r.failures >= limit:
             p.rollback(reason="AnalysisFailed", evidence=evidence)
     elif outcome is Outcome.INCONCLUSIVE:
-        r.inconclusive_streak += 1
+        # A breach both tracks share passes the step: the comparison was made, so it is not
+        # a window without a verdict. It leaves the streak as it was (neither counts nor
+        # resets), so a canary whose other windows hold the step still stalls in the end.
+        if not (a.lanes and all(lane.passes_step for lane in a.lanes)):
+            r.inconclusive_streak += 1
     else:
         r.inconclusive_streak = 0
     r.underfed = a.underfed
