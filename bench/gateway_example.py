@@ -8,18 +8,24 @@ float16), with the HTTPRoute of ``manifests/examples/gateway/httproute.yaml`` in
 served by Contour and Envoy as a Gateway named ``models``. Then changes are applied the way a
 pull request would change the file: only the lane's batching, everything else as shipped.
 
-* a **good** change: the batch cap and queue bound raised (16 -> 32, 512 -> 1024), or back to
-  the example's own (whichever the stable does not run). At this load a batch holds one or two
-  requests and the queue never fills, so the canary batches as the stable does (an A/A with a
-  new revision). A longer window is no good change here: on this machine's CPU the model takes
-  4-9 ms a batch (on a GPU, well under 1), the stable's p99 queue age is already 14-16 ms against
-  the example's 10 ms SLO, and every millisecond of window adds to it;
+* a **good** change (``--good-change aa``, the default): an A/A, a new revision whose batching
+  is the stable's: only the queue bound changes (to 1025, 1026, ...: the queue never fills at
+  this load). ``--good-change batch-cap`` is the first runs' good change: the batch cap and queue
+  bound raised (16 -> 32, 512 -> 1024), or back to the example's own (whichever the stable does
+  not run). It assumed a batch holds one or two requests at this load; in 4 of its 5 rollouts
+  with batch 32 the canary's share of requests over the queue-age SLO at the 50% step was above
+  the stable's (1.4-2.1% against 0.6-0.8% in the one that held), so it is not an A/A here. A
+  longer window is no good change either: on this machine's CPU the model takes 4-9 ms a batch
+  (on a GPU, well under 1), the stable's p99 queue age is already 14-16 ms against the example's
+  10 ms SLO, and every millisecond of window adds to it;
 * a **bad** change: a window of 20 ms (twice the queue-age SLO), or batch 64 with a 45 ms
   window (under the 50 ms p99, so admission lets both through: they fail only in service),
   each with a queue bound one above the last bad change's, so that every one is a new revision.
 
 Each rollout runs until it is promoted, rolled back or stalled (any ``Stalled`` condition), or
-``--timeout``; its outcome, its time, its analysis windows (when, the worst objective, why a
+``--timeout``; a canary still in flight then (stalled, unfinished) is aborted the way on-call
+would (``batchpilot.dev/abort``) and the next change waits for the stable, so every rollout
+starts from a stable policy (``aborted`` in its record). Its outcome, its time, its analysis windows (when, the worst objective, why a
 window did not pass) and the operator's decisions are written to ``--out`` after each rollout,
 appended to what it already holds (runs of several sessions add up; a TERM stops cleanly).
 
@@ -70,7 +76,10 @@ from real_aa import follow  # noqa: E402
 
 EXAMPLE = ROOT / "manifests" / "examples" / "gateway-canary.yaml"
 ROUTE = ROOT / "manifests" / "examples" / "gateway" / "httproute.yaml"
-GOOD = ({"maxBatchSize": 16, "maxQueueLength": 512}, {"maxBatchSize": 32, "maxQueueLength": 1024})
+GOOD_BATCH_CAP = ({"maxBatchSize": 16, "maxQueueLength": 512}, {"maxBatchSize": 32, "maxQueueLength": 1024})
+AA_QUEUE_BOUND = 1025
+"""The A/A good change's first queue bound (one more per good change: each a new revision)."""
+ABORT_ANNOTATION = "batchpilot.dev/abort"
 BAD_CHANGES: tuple[dict[str, Any], ...] = (
     {"maxQueueDelay": "20ms"},
     {"maxQueueDelay": "45ms", "maxBatchSize": 64},
@@ -120,9 +129,16 @@ class Lane:
     """One namespace: its Gateway, runtime harness, route, the example policy and its load."""
 
     def __init__(
-        self, cluster: LocalCluster, prom: PrometheusServer, shared: SharedTargets, ns: str, rate: float, seed: int
+        self,
+        cluster: LocalCluster,
+        prom: PrometheusServer,
+        shared: SharedTargets,
+        ns: str,
+        rate: float,
+        seed: int,
+        good_change: str = "aa",
     ) -> None:
-        self.cluster, self.ns, self.rate = cluster, ns, rate
+        self.cluster, self.ns, self.rate, self.good_change = cluster, ns, rate, good_change
         self.kubectl_bin = str(cluster.bin_dir / "kubectl")
         self.example = yaml.safe_load(EXAMPLE.read_text())
         self.name = self.example["metadata"]["name"]
@@ -171,13 +187,15 @@ class Lane:
         self.replay = TraceReplay(arrivals, lambda: front, self.example["spec"]["model"]["name"]).start()
 
     def change(self, kind: str, index: int) -> dict[str, Any]:
-        """The example with its one lane changed: good is the GOOD the stable does not run, bad
-        one of BAD_CHANGES (on the stable's lane)."""
+        """The example with its one lane changed: good is an A/A (the queue bound only) or the
+        GOOD_BATCH_CAP the stable does not run, bad one of BAD_CHANGES (on the stable's lane)."""
         doc: dict[str, Any] = copy.deepcopy(self.example)
         lane = doc["spec"]["lanes"][0]
         lane.update(self.stable_lane)
-        if kind == "good":
-            lane.update(next(g for g in GOOD if any(self.stable_lane[k] != v for k, v in g.items())))
+        if kind == "good" and self.good_change == "aa":
+            lane["maxQueueLength"] = AA_QUEUE_BOUND + index
+        elif kind == "good":
+            lane.update(next(g for g in GOOD_BATCH_CAP if any(self.stable_lane[k] != v for k, v in g.items())))
         else:
             lane.update(BAD_CHANGES[index % len(BAD_CHANGES)])
             # each bad change a new revision: the operator does not retry a revision it rolled
@@ -196,13 +214,33 @@ class Lane:
             self.stable_lane = dict(lane)
         if record["outcome"] == "RolledBack" and not any(d["kind"] == "CanaryStarted" for d in record["decisions"]):
             record["outcome"] = "NotRetried"  # a revision rolled back before: not a verdict on this change
+        if record["outcome"] not in ("Promoted", "RolledBack", "NotRetried"):
+            # Still in flight (held, or out of time): the next change would start on its hold
+            # and read the same Stalled at once. End it as on-call would, then wait for the stable.
+            record["aborted"] = self.abort(revision, timeout)
         return {
             "namespace": self.ns,
             "kind": kind,
+            "change": self.good_change if kind == "good" else "bad",
             "lane": {k: lane[k] for k in ("maxBatchSize", "maxQueueDelay", "maxQueueLength")},
             "revision": revision,
             **record,
         }
+
+    def abort(self, revision: str, timeout: float) -> bool:
+        """``kubectl batchpilot abort``'s annotation; whether the canary was rolled back in time."""
+        stamp = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
+        self.kubectl(
+            "annotate", "batchingpolicy", self.name, "-n", self.ns, "--overwrite",
+            f"{ABORT_ANNOTATION}=gateway-example@{stamp}",
+        )  # fmt: skip
+        t0 = time.monotonic()
+        while time.monotonic() - t0 < timeout:
+            st = self.status()
+            if st.get("phase") == "RolledBack" or (st.get("rollout") or {}).get("revision") != revision:
+                return True
+            time.sleep(2.0)
+        return False
 
     def stop(self) -> None:
         if self.replay is not None:
@@ -213,8 +251,8 @@ class Lane:
 
 def summarize(rollouts: list[dict[str, Any]]) -> dict[str, Any]:
     out: dict[str, Any] = {}
-    for kind, want in (("good", "Promoted"), ("bad", "RolledBack")):
-        rs = [r for r in rollouts if r["kind"] == kind]
+    for kind, want in (("good:aa", "Promoted"), ("good:batch-cap", "Promoted"), ("bad", "RolledBack")):
+        rs = [r for r in rollouts if kind == ("bad" if r["kind"] == "bad" else f"good:{r.get('change', 'batch-cap')}")]
         hit = [r for r in rs if r["outcome"] == want]
         out[kind] = {
             "rollouts": len(rs),
@@ -230,6 +268,12 @@ def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--good", type=int, default=10)
     p.add_argument("--bad", type=int, default=10)
+    p.add_argument(
+        "--good-change",
+        choices=("aa", "batch-cap"),
+        default="aa",
+        help="aa: only the queue bound changes; batch-cap: 16/512 <-> 32/1024 (the first runs')",
+    )
     p.add_argument("--namespaces", type=int, default=1, help="copies of the example run in parallel")
     p.add_argument("--rate", type=float, default=30.0, help="Poisson req/s through each namespace's Gateway")
     p.add_argument("--timeout", type=float, default=1800.0, help="seconds a rollout may take before it is unfinished")
@@ -282,7 +326,7 @@ def main() -> int:
         shared = SharedTargets(prom)
         operator = start_operator(cluster.kubeconfig, prom.url, args.workdir / "operator.log")
         for i in range(args.namespaces):
-            lanes.append(Lane(cluster, prom, shared, f"gw{i + 1}", args.rate, seed=i + 1))
+            lanes.append(Lane(cluster, prom, shared, f"gw{i + 1}", args.rate, seed=i + 1, good_change=args.good_change))
         for lane in lanes:
             lane.start_load(args.timeout * (len(queue) + 2))
         time.sleep(60)  # the stable's first windows fill before the first change (load, not a wait)
@@ -294,6 +338,8 @@ def main() -> int:
                         return
                     kind = queue.pop(0)
                     index = sum(r["kind"] == kind for r in previous + rollouts)
+                    if kind == "good":  # the A/A queue bounds count this run's good changes only
+                        index = sum(r["kind"] == kind for r in rollouts)
                 r = lane.rollout(kind, index, args.timeout)
                 with lock:
                     rollouts.append(r)
