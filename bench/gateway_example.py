@@ -14,7 +14,7 @@ pull request would change the file: only the lane's batching, everything else as
   bound raised (16 -> 32, 512 -> 1024), or back to the example's own (whichever the stable does
   not run). It assumed a batch holds one or two requests at this load; in 4 of its 5 rollouts
   with batch 32 the canary's share of requests over the queue-age SLO at the 50% step was above
-  the stable's (1.4-2.1% against 0.6-0.8% in the one that held), so it is not an A/A here. A
+  the stable's (1.4-2.1% against 0.6-0.8% in the one that held), so it is no sure A/A here. A
   longer window is no good change either: on this machine's CPU the model takes 4-9 ms a batch
   (on a GPU, well under 1), the stable's p99 queue age is already 14-16 ms against the example's
   10 ms SLO, and every millisecond of window adds to it;
