@@ -70,6 +70,7 @@ from batchpilot_localdev.harness import RuntimeHarness  # noqa: E402
 from batchpilot_localdev.load import TraceReplay  # noqa: E402
 from batchpilot_localdev.prometheus import PrometheusServer, ScrapeTarget  # noqa: E402
 from batchpilot_localdev.scenario import start_operator  # noqa: E402
+from batchpilot_operator.rollout.inputs import ABORT_ANNOTATION  # noqa: E402
 from batchpilot_operator.spec import parse_spec  # noqa: E402
 from canary_eval import make_trace  # noqa: E402
 from real_aa import follow  # noqa: E402
@@ -79,7 +80,6 @@ ROUTE = ROOT / "manifests" / "examples" / "gateway" / "httproute.yaml"
 GOOD_BATCH_CAP = ({"maxBatchSize": 16, "maxQueueLength": 512}, {"maxBatchSize": 32, "maxQueueLength": 1024})
 AA_QUEUE_BOUND = 1025
 """The A/A good change's first queue bound (one more per good change: each a new revision)."""
-ABORT_ANNOTATION = "batchpilot.dev/abort"
 BAD_CHANGES: tuple[dict[str, Any], ...] = (
     {"maxQueueDelay": "20ms"},
     {"maxQueueDelay": "45ms", "maxBatchSize": 64},
@@ -337,9 +337,9 @@ def main() -> int:
                     if not queue:
                         return
                     kind = queue.pop(0)
-                    index = sum(r["kind"] == kind for r in previous + rollouts)
-                    if kind == "good":  # the A/A queue bounds count this run's good changes only
-                        index = sum(r["kind"] == kind for r in rollouts)
+                    # the A/A queue bounds count this run's good changes (a fresh cluster), the bad
+                    # changes every run's (they cycle through BAD_CHANGES)
+                    index = sum(r["kind"] == kind for r in (rollouts if kind == "good" else previous + rollouts))
                 r = lane.rollout(kind, index, args.timeout)
                 with lock:
                     rollouts.append(r)
