@@ -160,6 +160,7 @@ def reconcile(
             now=now,
             history=status.rollout.evidence if status.rollout is not None else None,
             environment=environment_of(body),
+            unlike_load=fairness.unlike_load(spec, status.rollout.step_index if status.rollout is not None else 0),
         )
         if routing is not None:
             analysis = fairness.judge_load(

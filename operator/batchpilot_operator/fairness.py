@@ -110,6 +110,38 @@ def fed_alike(spec: PolicySpec, weight: int, other: int) -> bool:
     return min(a, b) > 0 and max(a, b) / min(a, b) <= ALIKE_LOAD_SPREAD
 
 
+def unlike_load(spec: PolicySpec, step_index: int) -> str | None:
+    """Why the relative objective (``rollout.maxP99Increase``) does not compare the canary's p99
+    with the stable's at step ``step_index`` (None: it does). A batching server's p99 depends
+    on its own load, so the comparison is made only at steps whose planned per-pod load
+    (:func:`planned_load_ratio`) is within :data:`ALIKE_LOAD_SPREAD` of a stable pod's: always
+    without a route; on the shipped 10/25/50 steps, the 50% step alone. Compared at every step,
+    a canary pod fed 1.33x a stable pod's load (25% of 4 replicas) rolled back 1, held 3 and
+    left 4 unfinished of 100 simulated A/A rollouts on the code trace; compared at the 50% step
+    alone, all 100 were promoted (``bench/canary_eval.py``, code/4r/gateway). The SLOs are
+    judged at every step."""
+    steps = spec.rollout.steps
+    if spec.rollout.max_p99_increase is None or spec.rollout.traffic_routing is None or step_index >= len(steps):
+        return None
+
+    def alike(weight: int) -> bool:
+        ratio = planned_load_ratio(spec.replicas, weight)
+        return ratio > 0 and max(ratio, 1.0 / ratio) <= ALIKE_LOAD_SPREAD
+
+    weight = steps[step_index].weight
+    if alike(weight):
+        return None
+    ratio = planned_load_ratio(spec.replicas, weight)
+    why = (
+        f"not compared with the stable's p99 at step {step_index + 1} ({weight}%): a canary pod is fed {ratio:.2f}x"
+        " a stable pod's load, and a batching server's p99 depends on its load"
+    )
+    later = next((i for i in range(step_index + 1, len(steps)) if alike(steps[i].weight)), None)
+    if later is not None:
+        return f"{why}; step {later + 1} ({steps[later].weight}%) compares like with like"
+    return f"{why}; no step feeds it like the stable, so maxP99Increase is judged at none (the SLOs still are)"
+
+
 def gating_analyses(spec: PolicySpec) -> int:
     """How many analyses the tally that promotes a canary can hold: those of the final run of
     steps fed alike (the last step and the steps just before it that feed the canary as it

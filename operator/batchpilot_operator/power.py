@@ -53,13 +53,14 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from statistics import NormalDist
 
-from batchpilot_operator.analysis import SHARED_BREACH_RATIO, SLICES, TALLY_ANALYSES, MetricCheck
+from batchpilot_operator.analysis import SHARED_BREACH_RATIO, SLICES, TALLY_ANALYSES, MetricCheck, objective
 from batchpilot_operator.stats import (
     binomial_sf,
     count_above,
     design_effect,
     e_value,
     fisher_greater,
+    log_lr_over_budget,
     log_lr_worse,
 )
 
@@ -90,6 +91,9 @@ class Tally:
     needed: float | None = None
     """The e-value a rollback needs (``analysis.sequential_needed``; None: the rule without its
     sequential gate). The rollout's evidence is taken as that of the tally's counts."""
+    on_budget: bool = False
+    """The sequential gate reads the evidence that the canary is over its budget, not that it is
+    worse than the stable (a relative objective: ``analysis.checks._gates_on_budget``)."""
 
 
 def detects(buckets: Sequence[tuple[float, float]], slo: float, factor: float, tally: Tally) -> bool:
@@ -130,7 +134,10 @@ def fails(p_canary: float, p_stable: float, tally: Tally) -> bool:
         return False
     if t.needed is None:
         return True
-    # The sequential gate (worse than the stable), on the same (already discounted) counts.
+    # The sequential gate (worse than the stable, or over the budget), on the same (already
+    # discounted) counts.
+    if t.on_budget:
+        return e_value(log_lr_over_budget(k_c, n_c, t.budget)) >= t.needed
     return e_value(log_lr_worse(k_c, n_c, p_stable * n_s, n_s)) >= t.needed
 
 
@@ -192,10 +199,21 @@ def _lane_tally(
     power: float,
     burstiness: float,
     needed: float | None,
+    on_budget: bool = False,
 ) -> Tally:
     """A tally of ``analyses`` windows at this window's traffic (``canary`` and ``stable``
     requests a window), over ``analyses * SLICES`` sub-windows."""
-    return Tally(canary * analyses, stable * analyses, confidence, budget, power, burstiness, analyses * SLICES, needed)
+    return Tally(
+        canary * analyses,
+        stable * analyses,
+        confidence,
+        budget,
+        power,
+        burstiness,
+        analyses * SLICES,
+        needed,
+        on_budget,
+    )
 
 
 def lane_detectable_regression(
@@ -219,8 +237,9 @@ def lane_detectable_regression(
     (no stable histogram, no requests on either track)."""
     if stable is None or not stable.buckets or not canary.samples or not stable.samples:
         return None
+    relative = objective(canary.metric).relative  # its gate reads the evidence over the budget
     tally = _lane_tally(
-        canary.samples, stable.samples, confidence, analyses, stable.budget, power, burstiness or 0.0, needed
+        canary.samples, stable.samples, confidence, analyses, stable.budget, power, burstiness or 0.0, needed, relative
     )
     return detectable_regression(stable.buckets, stable.threshold, tally)
 

@@ -200,6 +200,18 @@ class RolloutSpec(_Spec):
             " and worse than the stable over the same window (exact tests on the requests over the objective)"
         ),
     )
+    max_p99_increase: float | None = Field(
+        default=None,
+        alias="maxP99Increase",
+        gt=0,
+        le=9,
+        description=(
+            "opt-in: how much the canary's p99 latency may exceed the stable's over the same window, as a fraction"
+            " (0.25: 1.25x the stable's), judged like an SLO (more than 1% of its requests slower than that, with"
+            " the confidence, fails it); absent: only the lanes' SLOs are judged, and a regression that stays"
+            " inside them passes"
+        ),
+    )
     max_inconclusive: SpecInt = Field(
         default=10,
         alias="maxInconclusive",

@@ -5,12 +5,14 @@ from __future__ import annotations
 import math
 from collections.abc import Mapping, Sequence
 from datetime import UTC, datetime
+from statistics import NormalDist
 from typing import Any
 
 import pytest
 
 from batchpilot_operator.analysis import (
     METRICS,
+    NO_STABLE_P99,
     OBJECTIVES,
     SLICES,
     TALLY_SLICES,
@@ -23,16 +25,19 @@ from batchpilot_operator.analysis import (
     combine,
     counter_queries,
     judge,
+    judged_metrics,
     lane_thresholds,
     objective,
     plan_queries,
     promql_window,
     run_analysis,
     selector,
+    sequential_needed,
     slice_counts,
     verdicts,
 )
 from batchpilot_operator.analysis.objectives import Counted
+from batchpilot_operator.power import lane_detectable_regression
 from batchpilot_operator.spec import PolicySpec
 from bptest import conclusive, make_spec
 
@@ -586,14 +591,17 @@ def test_outliers_in_one_sub_window_are_one_cluster() -> None:
     assert judge(canary, stable, 0.95, spread, stable_slices).outcome is Outcome.FAILED
 
 
-def test_every_objective_record_reaches_the_queries_the_checks_and_the_status_text() -> None:
+@pytest.mark.parametrize("increase", [None, 0.25])
+def test_every_objective_record_reaches_the_queries_the_checks_and_the_status_text(increase: float | None) -> None:
     """A gate is one record of OBJECTIVES: its queries over the window and its raw counters are
     built, its threshold and budget come from the lane's SLO, and every lane's verdict carries a
-    check of it that reads in words with the record's label."""
-    spec = make_spec(lanes=2)
+    check of it that reads in words with the record's label. The relative objective only where
+    the policy sets ``maxP99Increase``."""
+    spec = make_spec(lanes=2, **({} if increase is None else {"maxP99Increase": increase}))
     lqs = plan_queries(spec, policy="chat", namespace="ml", canary_revision="c", stable_revision="s")
-    names = [o.name for o in OBJECTIVES]
-    assert list(METRICS) == names and len(set(names)) == len(names)
+    assert list(METRICS) == [o.name for o in OBJECTIVES] and len(set(METRICS)) == len(METRICS)
+    names = [o.name for o in OBJECTIVES if increase is not None or not o.relative]
+    assert list(judged_metrics(spec)) == names and ("p99Increase" in names) == (increase is not None)
     for lq in lqs:
         assert [m.metric for m in lq.metrics] == names
         for m in lq.metrics:
@@ -646,3 +654,189 @@ def test_a_window_that_would_fail_waits_for_the_rollouts_evidence() -> None:
         history = _analyse(DictBackend(_table(canary__interactive__p99Latency=(0.1, 300.0, 0.0))), spec, history).tally
     late = _analyse(DictBackend(table), spec, history).lanes[0].check("p99Latency")
     assert late is not None and late.e_worse is not None and late.e_worse < seen[0]
+
+
+# ---- the opt-in relative objective (rollout.maxP99Increase) ---------------------------------
+
+_LATENCY_LES = (0.01, 0.02, 0.03, 0.04, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.5, 1.0, math.inf)
+"""Bucket bounds of the runtime's kind (dense where the tests' p99s lie)."""
+
+
+def _latencies(n: int, factor: float = 1.0) -> list[float]:
+    """``n`` latencies spread like a lognormal (median 30 ms, p99 about 68 ms) times ``factor``:
+    the quantiles themselves, so a window holds exactly its distribution."""
+    return [factor * 0.03 * math.exp(0.35 * NormalDist().inv_cdf((i + 0.5) / n)) for i in range(n)]
+
+
+def _cumulative(latencies: Sequence[float]) -> tuple[tuple[float, float], ...]:
+    return tuple((le, float(sum(1 for x in latencies if x <= le))) for le in _LATENCY_LES)
+
+
+def _histogram_p99(buckets: Sequence[tuple[float, float]]) -> float:
+    """Prometheus' histogram_quantile(0.99): linear inside the bucket the rank falls in, as
+    count_above counts (so exactly 1% of a track's requests lie over its own p99)."""
+    rank, lower, below = 0.99 * buckets[-1][1], 0.0, 0.0
+    for le, count in buckets:
+        if count >= rank:
+            return lower + (le - lower) * (rank - below) / (count - below)
+        lower, below = le, count
+    raise AssertionError("the +Inf bucket holds every request")
+
+
+class LatencyBackend(DictBackend):
+    """DictBackend whose request-latency histograms hold each track's ``latencies`` per window
+    (the raw counters grow evenly, as DictBackend's), and their p99 as Prometheus reads it
+    from the buckets: a canary can be slower than the stable inside the SLO."""
+
+    def __init__(self, table: Mapping[tuple[str, str, str], Row], latencies: Mapping[str, Sequence[float]]):
+        super().__init__(table)
+        self.latencies = latencies
+
+    def measure(self, queries: Sequence[str], at: float | None = None) -> Mapping[str, Measurement]:
+        out = dict(super().measure(queries, at))
+        for query in queries:
+            if "request_latency_seconds_bucket" not in query:
+                continue
+            lats = self.latencies["stable" if 'track="stable"' in query else "canary"]
+            raw = "increase(" not in query and "rate(" not in query
+            scale = ((at or NOW.timestamp()) - NOW.timestamp() + 1000) / 30 if raw else 1.0
+            if query.startswith("histogram_quantile"):
+                out[query] = Measurement(query, value=_histogram_p99(_cumulative(lats)))
+            else:
+                out[query] = Measurement(query, buckets=tuple((le, c * scale) for le, c in _cumulative(lats)))
+        return out
+
+
+def _relative_table(canary: int, stable: int) -> dict[tuple[str, str, str], Row]:
+    """One lane, every request served, none queued long; the latency rows' counts are the
+    histograms' (LatencyBackend answers their buckets and p99)."""
+    table = _table()
+    for track, n in (("canary", canary), ("stable", stable)):
+        table[(track, "interactive", "p99Latency")] = (None, float(n), 0.0)
+        table[(track, "interactive", "queueAge")] = (0.004, float(n), 0.0)
+        table[(track, "interactive", "errorRate")] = (0.0, float(n), 0.0)
+    return table
+
+
+def _rollout_of(
+    spec: PolicySpec, backend: MetricsBackend, windows: int
+) -> tuple[list[AnalysisResult], dict[str, list[list[float]]]]:
+    """Up to ``windows`` analyses of one step, each on the tally the last one left, until one fails."""
+    history: dict[str, list[list[float]]] = {}
+    results: list[AnalysisResult] = []
+    for _ in range(windows):
+        results.append(_analyse(backend, spec, history))
+        history = results[-1].tally
+        if results[-1].outcome is Outcome.FAILED:
+            break
+    return results, history
+
+
+@pytest.mark.parametrize(("factor", "windows"), [(1.5, 2), (1.4, 5)])
+def test_a_regression_inside_the_slo_is_caught_only_against_the_stables_p99(factor: float, windows: int) -> None:
+    # The canary's latencies are the stable's times 1.5 (or 1.4): its p99 (about 100 ms) is far
+    # inside the 200 ms SLO, so the SLO's objective cannot see it; with maxP99Increase 0.25 the
+    # requests slower than 1.25x the stable's p99 are 3.2% (2.2%) of the canary's against 0.16%
+    # of the stable's: the rollout's evidence that it is over that budget rolls it back within
+    # two windows (five, the tally adding up).
+    table = _relative_table(300, 900)
+    slower = LatencyBackend(table, {"canary": _latencies(300, factor), "stable": _latencies(900)})
+    blind, _ = _rollout_of(make_spec(), slower, 8)
+    assert [r.outcome for r in blind] == [Outcome.SUCCESSFUL] * 8
+    assert all(r.lanes[0].check("p99Increase") is None for r in blind)  # not judged unless asked for
+
+    spec = make_spec(maxP99Increase=0.25)
+    results, _ = _rollout_of(spec, slower, 8)
+    last = results[-1].lanes[0]
+    rel, slo = last.check("p99Increase"), last.check("p99Latency")
+    assert rel is not None and slo is not None
+    assert rel.outcome is Outcome.FAILED, rel.describe()
+    assert slo.outcome is Outcome.SUCCESSFUL  # inside the SLO all along
+    assert len(results) <= windows
+    stable_p99 = _histogram_p99(_cumulative(_latencies(900)))
+    assert rel.threshold == pytest.approx(1.25 * stable_p99)
+    stable = last.check("p99Increase", "stable")
+    assert stable is not None and stable.threshold == rel.threshold  # one threshold, both tracks
+    assert rel.tally is not None and rel.tally[0] / rel.tally[1] > 0.015
+    assert rel.stable_tally is not None and rel.stable_tally[0] / rel.stable_tally[1] < 0.01
+    assert "p99 against the stable" in rel.describe() and "over its 1% budget" in rel.describe()
+    assert rel.evidence == rel.e_over_budget  # the gate reads the evidence over the budget
+
+
+@pytest.mark.parametrize("factor", [1.0, 1.1, 0.67])
+def test_a_canary_within_the_allowed_increase_passes_against_the_stables_p99(factor: float) -> None:
+    # A/A, 10% slower (inside the 25% allowed), and 1.5x faster: no window holds the step.
+    backend = LatencyBackend(_relative_table(300, 900), {"canary": _latencies(300, factor), "stable": _latencies(900)})
+    results, _ = _rollout_of(make_spec(maxP99Increase=0.25), backend, 8)
+    assert len(results) == 8
+    for r in results:
+        rel = r.lanes[0].check("p99Increase")
+        assert rel is not None and rel.outcome is Outcome.SUCCESSFUL, rel.describe()
+        assert r.lanes[0].passes_step
+
+
+def test_without_a_stable_p99_the_relative_objective_passes_and_says_why() -> None:
+    # A stable track of 40 requests (under minSamples 50): its p99 is one of its slowest few,
+    # no baseline. The canary is judged on its SLOs alone, and the status says so.
+    backend = LatencyBackend(_relative_table(300, 40), {"canary": _latencies(300, 3.0), "stable": _latencies(40)})
+    result = _analyse(backend, make_spec(maxP99Increase=0.25))
+    rel = result.lanes[0].check("p99Increase")
+    assert rel is not None and rel.outcome is Outcome.SUCCESSFUL and rel.note == NO_STABLE_P99
+    assert NO_STABLE_P99 in rel.describe()
+    # No stable track at all (a first rollout): the same.
+    alone = run_analysis(
+        backend, make_spec(maxP99Increase=0.25), policy="chat", namespace="ml", canary_revision="c1",
+        stable_revision=None, now=NOW,
+    )  # fmt: skip
+    rel = alone.lanes[0].check("p99Increase")
+    assert rel is not None and rel.note == NO_STABLE_P99
+
+
+def test_the_relative_objective_asks_prometheus_nothing_more_and_counts_in_the_rollouts_bound() -> None:
+    # Its series are the SLO objective's: the same queries, asked once. It is one more
+    # objective for the rollout's false-rollback bound to be shared among.
+    spec, relative = make_spec(lanes=2), make_spec(lanes=2, maxP99Increase=0.5)
+    plain, rel = DictBackend(_table()), DictBackend(_table())
+    _analyse(plain, spec)
+    _analyse(rel, relative)
+    assert [len(c) for c in rel.calls] == [len(c) for c in plain.calls]
+    assert all(len(set(c)) == len(c) for c in rel.calls)
+    assert sequential_needed(relative, False) == pytest.approx(sequential_needed(spec, False) * 5 / 4)
+
+
+def test_against_the_stables_p99_the_gate_states_a_smaller_regression_never_below_the_allowance() -> None:
+    # 300 canary and 900 stable requests a window, the stable's p99 a third of its SLO: the
+    # SLO's objective sees only a regression of about 3x; against the stable's p99 the gate sees
+    # 1.5x, and never less than the 25% the policy allows (what it states is what it catches:
+    # the test above rolls back 1.4x and 1.5x).
+    spec = make_spec(maxP99Increase=0.25)
+    backend = LatencyBackend(_relative_table(300, 900), {"canary": _latencies(300), "stable": _latencies(900)})
+    lane = _analyse(backend, spec).lanes[0]
+    needed = sequential_needed(spec, False)
+    found = []
+    for metric in ("p99Latency", "p99Increase"):
+        canary, stable = lane.check(metric), lane.check(metric, "stable")
+        assert canary is not None and stable is not None
+        found.append(lane_detectable_regression(canary, stable, 0.95, needed=needed))
+    slo, rel = found
+    assert slo is not None and rel is not None
+    assert 0.25 < rel <= 0.5 < 1.5 < slo
+
+
+def test_at_a_step_fed_unlike_the_stable_the_relative_objective_passes_saying_why() -> None:
+    # The planner says the step feeds the canary unlike the stable (fairness.unlike_load): a
+    # canary 1.5x slower is not compared with the stable's p99 there; it passes, with the reason
+    # in its evidence, and the SLOs are judged as ever.
+    backend = LatencyBackend(_relative_table(300, 900), {"canary": _latencies(300, 1.5), "stable": _latencies(900)})
+    why = "not compared with the stable's p99 at step 2 (25%)"
+    spec = make_spec(maxP99Increase=0.25)
+    result = run_analysis(
+        backend, spec, policy="chat", namespace="ml", canary_revision="c1", stable_revision="s0", now=NOW,
+        unlike_load=why,
+    )  # fmt: skip
+    rel, slo = result.lanes[0].check("p99Increase"), result.lanes[0].check("p99Latency")
+    assert rel is not None and rel.outcome is Outcome.SUCCESSFUL and rel.note == why and why in rel.describe()
+    assert slo is not None and slo.outcome is Outcome.SUCCESSFUL
+    assert math.isfinite(rel.threshold)  # what the like-for-like step will compare against, for the status
+    compared, _ = _rollout_of(spec, backend, 4)  # where the step feeds it alike: rolled back
+    assert compared[-1].lanes[0].check("p99Increase").outcome is Outcome.FAILED  # type: ignore[union-attr]

@@ -100,6 +100,8 @@ INVALID: list[tuple[str, Callable[[dict[str, Any]], None], str]] = [
     ("warmup-over-an-hour", _set("rollout.warmup", "2h"), "warmup"),
     ("warmup-not-a-duration", _set("rollout.warmup", "soon"), "warmup"),
     ("metrics-action-unknown", _set("rollout.onMetricsUnavailable", {"action": "Ignore"}), "action"),
+    ("p99-increase-zero", _set("rollout.maxP99Increase", 0), "maxP99Increase"),
+    ("p99-increase-over-ten-fold", _set("rollout.maxP99Increase", 9.5), "maxP99Increase"),
     ("slo-zero", _set("slo.p99Latency", "0s"), "p99Latency"),
     ("missing-slo", _set("slo", None), "slo"),
     ("error-rate-over-one", _set("slo.maxErrorRate", 1.5), "maxErrorRate"),
@@ -144,6 +146,7 @@ INVALID_TYPES: list[tuple[str, Callable[[dict[str, Any]], None], str]] = [
     ("type-min-samples-fraction", _set("rollout.minSamples", 100.5), "minSamples"),
     ("type-max-inconclusive-quoted", _set("rollout.maxInconclusive", "3"), "maxInconclusive"),
     ("type-history-limit-bool", _set("rollout.historyLimit", False), "historyLimit"),
+    ("type-p99-increase-quoted", _set("rollout.maxP99Increase", "0.25"), "maxP99Increase"),
     (
         "type-toleration-seconds-quoted",
         _set("tolerations", [{"key": "k", "tolerationSeconds": "5"}]),
@@ -173,6 +176,7 @@ INVALID_TYPES: list[tuple[str, Callable[[dict[str, Any]], None], str]] = [
 # ... and where the CRD's types allow something, the models allow it too.
 VALID_TYPES: list[tuple[str, Callable[[dict[str, Any]], None]]] = [
     ("integer-for-number", _set("slo.maxErrorRate", 1)),
+    ("integer-p99-increase", _set("rollout.maxP99Increase", 1)),
     ("whole-float-for-integer", _set("lanes.0.maxBatchSize", 8.0)),  # JSON has one number type
     ("whole-float-replicas", _set("replicas", 3.0)),
     ("integer-expected-rate", _set("lanes.0.expectedRate", 100)),

@@ -32,6 +32,7 @@ from batchpilot_operator.fairness import (
     per_pod_rate_query,
     planned_load_ratio,
     underfed,
+    unlike_load,
 )
 from batchpilot_operator.rollout import (
     ROUTE_DRAIN_SECONDS,
@@ -544,6 +545,27 @@ def test_the_tally_does_not_carry_across_unlike_loads(monkeypatch: pytest.Monkey
             assert r.evidence  # within a step the tally goes on
         d = w.tick()
     assert entered == [0, 1, 2] and d.status.history[-1].outcome == "Promoted"
+
+
+def test_the_stables_p99_is_compared_only_at_steps_that_feed_the_canary_alike() -> None:
+    # maxP99Increase compares the canary's p99 with the stable's, and a batching server's p99
+    # moves with its load: on a route, only the steps whose canary pods are fed within 1.25x of
+    # a stable pod's load compare (the 50% step with 2 or 4 replicas); the others say which one
+    # will. Without maxP99Increase, or without a route, there is nothing to say.
+    raw = spec().model_dump(by_alias=True, mode="json")
+    raw["rollout"]["maxP99Increase"] = 0.25
+    for replicas in (2, 4):
+        s = PolicySpec.model_validate({**raw, "replicas": replicas})
+        assert [s.rollout.steps[i].weight for i in range(3) if unlike_load(s, i) is None] == [50]
+        for i in (0, 1):
+            why = unlike_load(s, i)
+            assert why is not None and f"step {i + 1}" in why and "step 3 (50%) compares like with like" in why
+    only_ten = {**raw, "rollout": {**raw["rollout"], "steps": [{"weight": 10, "pause": "60s"}]}}
+    why = unlike_load(PolicySpec.model_validate(only_ten), 0)
+    assert why is not None and "judged at none" in why
+    assert unlike_load(spec(), 0) is None  # no relative objective
+    plain = {**raw, "rollout": {**raw["rollout"], "trafficRouting": None}}
+    assert all(unlike_load(PolicySpec.model_validate(plain), i) is None for i in range(3))
 
 
 def test_underfed_with_no_fed_step_after_stalls_saying_what_to_change() -> None:

@@ -117,6 +117,7 @@ from batchpilot_operator.analysis.objectives import (
     format_confidence,
     format_share,
     format_value,
+    judged_metrics,
     lane_budgets,
     lane_thresholds,
     objective,
@@ -144,8 +145,10 @@ from batchpilot_operator.analysis.tally import (
     step_evidence,
 )
 from batchpilot_operator.analysis.verdicts import (
+    NO_STABLE_P99,
     AnalysisResult,
     LaneVerdict,
+    relative_thresholds,
     run_analysis,
     verdicts,
 )
@@ -154,6 +157,7 @@ __all__ = [
     "ERROR_OUTCOMES",
     "METRICS",
     "NO_STABLE_4XX",
+    "NO_STABLE_P99",
     "OBJECTIVES",
     "P99_BUDGET",
     "QUANTILE",
@@ -184,6 +188,7 @@ __all__ = [
     "format_value",
     "judge",
     "judge_client_errors",
+    "judged_metrics",
     "lane_budgets",
     "lane_key",
     "lane_thresholds",
@@ -192,6 +197,7 @@ __all__ = [
     "plan_queries",
     "pooled",
     "promql_window",
+    "relative_thresholds",
     "run_analysis",
     "selector",
     "sequential_key",

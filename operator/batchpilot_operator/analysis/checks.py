@@ -10,7 +10,6 @@ from dataclasses import dataclass
 
 from batchpilot_operator.analysis.backend import Measurement, finite, not_nan
 from batchpilot_operator.analysis.objectives import (
-    METRICS,
     P99_BUDGET,
     MetricName,
     Outcome,
@@ -18,6 +17,7 @@ from batchpilot_operator.analysis.objectives import (
     format_confidence,
     format_share,
     format_value,
+    judged_metrics,
     objective,
 )
 from batchpilot_operator.analysis.queries import LaneQueries
@@ -107,8 +107,11 @@ class MetricCheck:
     @property
     def evidence(self) -> float | None:
         """The e-value the sequential gate reads (:func:`judge`): that the canary is worse than
-        the stable where one was compared, that it is over its budget otherwise."""
-        return self.e_over_budget if self.confidence_worse is None else self.e_worse
+        the stable where one was compared, that it is over its budget otherwise, and always for
+        a relative objective (:func:`_gates_on_budget`)."""
+        if self.confidence_worse is None or objective(self.metric).relative:
+            return self.e_over_budget
+        return self.e_worse
 
     @property
     def thin(self) -> bool:
@@ -141,6 +144,8 @@ class MetricCheck:
             return f"{head}: no data from {samples} requests"
         if self.outcome is Outcome.INCONCLUSIVE and self.note is None:
             return f"{head}: {value} from {samples} requests (too few)"
+        if self.outcome is Outcome.SUCCESSFUL and self.note is not None:
+            return f"{head}: {value} from {samples} requests; {self.note}"
         if self.outcome is Outcome.SUCCESSFUL:
             if self.value > self.threshold and self.tally is not None:
                 k, n = self.tally
@@ -372,7 +377,7 @@ def judge(
         # confidence, so the pair is too): worse than the stable, and over the budget.
         note = f"worse than the stable track, but not clearly over its {format_share(canary.budget)} budget ({needs})"
     elif needed is not None:
-        note = _short_of_evidence(sequential, needed, compared=worse is not None)
+        note = _short_of_evidence(sequential, needed, compared=worse is not None and not _gates_on_budget(canary))
     return dataclasses.replace(
         canary,
         sequential=sequential,
@@ -413,6 +418,17 @@ def _extend(
     return accumulate(before_over, over), accumulate(before_worse, worse)
 
 
+def _gates_on_budget(check: MetricCheck) -> bool:
+    """Whether the sequential gate reads the evidence that the canary is over its budget even
+    where it was compared with the stable: a relative objective's budget *is* the comparison
+    (over 1% of the canary's requests slower than ``1 + maxP99Increase`` times the stable's
+    p99: its p99 beyond that factor), and the stable's own share over that threshold is under
+    1% by construction, so "worse than the stable" is the easier half there: a canary a little
+    slower than the stable, well inside the allowance, shows it, and the over-budget half would
+    be left to the per-look test alone, which bounds nothing across looks."""
+    return objective(check.metric).relative
+
+
 def _short_of_evidence(
     sequential: tuple[tuple[float, ...], tuple[float, ...]], needed: float, *, compared: bool
 ) -> str | None:
@@ -441,7 +457,7 @@ def sequential_needed(spec: PolicySpec, tenant: bool) -> float:
     split evenly (Bonferroni) over the steps and over every objective of every lane; when the
     policy declares tenant slices, half of it goes to the lanes' totals and half to their
     slices, shared evenly among them."""
-    objectives = len(spec.rollout.steps) * len(spec.lanes) * len(METRICS)
+    objectives = len(spec.rollout.steps) * len(spec.lanes) * len(judged_metrics(spec))
     alpha = (1.0 - spec.rollout.confidence) / max(1, objectives)
     if spec.tenant_slices:
         alpha /= 2.0

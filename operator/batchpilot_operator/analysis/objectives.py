@@ -27,7 +27,7 @@ QUANTILE = 0.99
 P99_BUDGET = 1 - QUANTILE
 """The share of requests a p99 objective allows over its threshold."""
 
-MetricName = Literal["p99Latency", "queueAge", "errorRate", "clientErrors"]
+MetricName = Literal["p99Latency", "p99Increase", "queueAge", "errorRate", "clientErrors"]
 Track = Literal["stable", "canary"]
 
 
@@ -82,6 +82,10 @@ class Objective:
     stable_only: bool = False
     """Judged only against the stable track, with no budget of its own (clientErrors: 4xx the
     stable returns alike are the clients' own; :func:`.checks.judge_client_errors`)."""
+    relative: bool = False
+    """The threshold is not the SLO's but the stable's own p99 of the same window times
+    ``1 + rollout.maxP99Increase``, for both tracks (:func:`relative_threshold`), and the
+    objective is judged only when the policy sets that field (:func:`judged_metrics`)."""
 
     @property
     def counted(self) -> bool:
@@ -107,6 +111,20 @@ OBJECTIVES: tuple[Objective, ...] = (
         source=Histogram(LATENCY_METRIC),
         threshold=lambda slo: slo.p99_latency,
         budget=lambda slo: P99_BUDGET,
+    ),
+    Objective(
+        # Opt-in (rollout.maxP99Increase): a regression against the stable that stays inside
+        # the SLO. Bad events are the requests slower than (1 + maxP99Increase) times the
+        # stable's p99 of the window, on both tracks: at most 1% of the canary's may be (its
+        # p99 within that factor of the stable's), and the canary is compared with the stable's
+        # share over the same threshold (under 1%, the threshold being above the stable's p99).
+        name="p99Increase",
+        label="p99 against the stable",
+        bad="slower than the stable's p99 times 1 + maxP99Increase",
+        source=Histogram(LATENCY_METRIC),
+        threshold=lambda slo: math.inf,  # per window: relative_threshold
+        budget=lambda slo: P99_BUDGET,
+        relative=True,
     ),
     Objective(
         name="queueAge",
@@ -163,7 +181,25 @@ def format_confidence(confidence: float) -> str:
     return f"{pct:.2f}".rstrip("0").rstrip(".") + "%"
 
 
+def judged_metrics(spec: PolicySpec) -> tuple[MetricName, ...]:
+    """The objectives the policy's canaries are judged on: every one, but a relative objective
+    only when the policy sets ``rollout.maxP99Increase``."""
+    relative = spec.rollout.max_p99_increase is not None
+    return tuple(o.name for o in OBJECTIVES if relative or not o.relative)
+
+
+def relative_threshold(spec: PolicySpec, stable_p99: float | None) -> float | None:
+    """A relative objective's threshold for both tracks, from the stable's p99 of the window:
+    ``(1 + rollout.maxP99Increase)`` times it; None without a stable p99 to compare with."""
+    increase = spec.rollout.max_p99_increase
+    if increase is None or stable_p99 is None or not math.isfinite(stable_p99) or stable_p99 <= 0:
+        return None
+    return (1.0 + increase) * stable_p99
+
+
 def lane_thresholds(spec: PolicySpec, lane: str) -> dict[MetricName, float]:
+    """The value a request of the lane is judged against, per objective (a relative one's is
+    the window's, :func:`relative_threshold`: here ``inf``, no request over it)."""
     slo = spec.lane_slo(lane)
     return {o.name: o.threshold(slo) for o in OBJECTIVES}
 

@@ -16,6 +16,8 @@ from batchpilot_operator.analysis.objectives import (
     MetricName,
     Objective,
     Track,
+    judged_metrics,
+    objective,
 )
 from batchpilot_operator.spec import PolicySpec
 
@@ -114,11 +116,18 @@ def build_queries(
     window: float,
     tenant: str | None = None,
     environment: str | None = None,
+    judged: Sequence[MetricName] | None = None,
 ) -> LaneQueries:
-    """All queries of one lane (or one tenant slice of it) of one track/revision over ``window`` seconds."""
+    """The queries of one lane (or one tenant slice of it) of one track/revision over ``window``
+    seconds, of the ``judged`` objectives (default: all but the opt-in relative one,
+    :func:`.objectives.judged_metrics`)."""
     labels = _labels(namespace, policy, track, revision, lane, tenant, environment)
     w = promql_window(window)
-    metrics = [_window_queries(o, labels, w) for o in OBJECTIVES]
+    metrics = [
+        _window_queries(o, labels, w)
+        for o in OBJECTIVES
+        if (o.name in judged if judged is not None else not o.relative)
+    ]
     return LaneQueries(
         track=track,
         revision=revision,
@@ -142,6 +151,7 @@ def plan_queries(
     """Every query one analysis runs: each lane of the canary, and of the stable track, in
     total and per tenant slice (:attr:`PolicySpec.tenant_slices`); ``environment``: only the
     targets Prometheus labels with it (the policy's ``batchpilot.dev/environment``)."""
+    judged = judged_metrics(spec)
     tracks: list[tuple[Track, str]] = [("canary", canary_revision)]
     if stable_revision is not None:
         tracks.append(("stable", stable_revision))
@@ -156,6 +166,7 @@ def plan_queries(
             window=spec.rollout.analysis_interval,
             tenant=tenant,
             environment=environment,
+            judged=judged,
         )
         for lane in spec.lanes
         for tenant in tenants
@@ -189,7 +200,7 @@ def counter_queries(lane_queries: Sequence[LaneQueries], *, policy: str, namespa
     out: list[CounterQueries] = []
     for lq in lane_queries:
         labels = _labels(namespace, policy, lq.track, lq.revision, lq.lane, lq.tenant, lq.environment)
-        out.extend(_counter_queries(o, lq, labels) for o in OBJECTIVES)
+        out.extend(_counter_queries(objective(m.metric), lq, labels) for m in lq.metrics)
     return out
 
 

@@ -85,6 +85,7 @@ def slice_counts(
     counters: Sequence[CounterQueries],
     at_boundaries: Sequence[Mapping[str, Measurement]],
     totals: Mapping[SliceKey, float] | None = None,
+    relative: Mapping[str, float] | None = None,
 ) -> dict[SliceKey, Slices]:
     """(bad events, requests) per sub-window by (track, lane, metric): the differences of the
     raw counters read at the ``len(at_boundaries)`` sub-window boundaries, oldest first.
@@ -94,11 +95,17 @@ def slice_counts(
     went down (a pod restarted or went away inside the window), one with fewer than 3
     sub-windows holding requests (a window of few scrapes has no spread to measure), and,
     given the window's request ``totals``, one whose sub-windows hold less than
-    :data:`SLICE_COVERAGE` of them."""
+    :data:`SLICE_COVERAGE` of them. A relative objective's threshold is the window's, by lane
+    key, in ``relative`` (:func:`.verdicts.relative_thresholds`); a key without one is left out."""
     out: dict[SliceKey, Slices] = {}
     for cq in counters:
         key: SliceKey = cq.key
-        threshold = lane_thresholds(spec, cq.lane)[cq.metric]
+        if objective(cq.metric).relative:
+            if (window_threshold := (relative or {}).get(key[1])) is None:
+                continue
+            threshold = window_threshold
+        else:
+            threshold = lane_thresholds(spec, cq.lane)[cq.metric]
         reads: list[tuple[float, float | dict[float, float]] | None] = []
         for ms in at_boundaries:
             req, bad = ms.get(cq.requests), ms.get(cq.bad)

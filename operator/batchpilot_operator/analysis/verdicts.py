@@ -4,6 +4,7 @@ against a metrics backend (:func:`run_analysis`)."""
 from __future__ import annotations
 
 import dataclasses
+import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from datetime import datetime
@@ -18,14 +19,15 @@ from batchpilot_operator.analysis.checks import (
     slice_confidence,
 )
 from batchpilot_operator.analysis.objectives import (
-    METRICS,
     MetricName,
     Outcome,
     Track,
     combine,
+    judged_metrics,
     lane_budgets,
     lane_thresholds,
     objective,
+    relative_threshold,
 )
 from batchpilot_operator.analysis.queries import (
     LaneQueries,
@@ -144,27 +146,31 @@ def verdicts(
     measurements: Mapping[str, Measurement],
     slices: Mapping[SliceKey, Slices] | None = None,
     history: Mapping[str, Sequence[Sequence[float]]] | None = None,
+    unlike_load: str | None = None,
 ) -> tuple[LaneVerdict, ...]:
     """Turn raw measurements into per-lane verdicts (the canary is judged against the stable).
 
     ``slices``: bad events and requests per sub-window of this window by (track, lane,
     metric) (:func:`slice_counts`); ``history``: the canary's tally so far
     (``status.rollout.evidence``, keyed by :func:`tally_key`), which this window's slices
-    extend. The verdict is on the tally (:func:`judge`)."""
+    extend. The verdict is on the tally (:func:`judge`). ``unlike_load``: why this step's
+    canary pods are not fed like the stable's (``fairness.unlike_load``); the relative
+    objective, which compares the canary's p99 with the stable's, then passes saying so."""
     sl = pooled(slices or {}, history or {})
     min_samples = spec.rollout.min_samples
+    relative = relative_thresholds(spec, lane_queries, measurements)
     by_lane: dict[str, dict[str, list[MetricCheck]]] = {}
     for lq in lane_queries:
         thresholds = lane_thresholds(spec, lq.lane)
         budgets = lane_budgets(spec, lq.lane)
         checks = by_lane.setdefault(lq.key, {"canary": [], "stable": []})
-        for metric in METRICS:
+        for metric in judged_metrics(spec):
             checks[lq.track].append(
                 check_metric(
                     queries=lq,
                     metric=metric,
                     measurements=measurements,
-                    threshold=thresholds[metric],
+                    threshold=relative.get(lq.key, math.inf) if objective(metric).relative else thresholds[metric],
                     min_samples=min_samples,
                     budget=budgets[metric],
                     # a lane's total thin in this window is judged on its tally; a tenant slice
@@ -182,7 +188,9 @@ def verdicts(
         stable = tuple(lane_checks["stable"])
         needed = sequential_needed(spec, tenant is not None)
         canary = tuple(
-            (judge_client_errors if objective(c.metric).stable_only else judge)(
+            _not_compared(c, unlike_load or NO_STABLE_P99)
+            if objective(c.metric).relative and (unlike_load is not None or key not in relative)
+            else (judge_client_errors if objective(c.metric).stable_only else judge)(
                 c,
                 next((s for s in stable if s.metric == c.metric), None),
                 confidence,
@@ -235,9 +243,11 @@ def run_analysis(
     now: datetime,
     history: Mapping[str, Sequence[Sequence[float]]] | None = None,
     environment: str | None = None,
+    unlike_load: str | None = None,
 ) -> AnalysisResult:
     """Query the backend for every lane of both tracks, over the window and each of its
-    sub-windows, and judge the canary on its tally (``history`` extended by this window)."""
+    sub-windows, and judge the canary on its tally (``history`` extended by this window);
+    ``unlike_load``: see :func:`verdicts`."""
     lane_queries = plan_queries(
         spec,
         policy=policy,
@@ -247,9 +257,10 @@ def run_analysis(
         environment=environment,
     )
     at = now.timestamp()
-    measurements = backend.measure([q for lq in lane_queries for q in lq.all()], at=at)
+    # dict.fromkeys: a relative objective reads the same series as the SLO's, asked once
+    measurements = backend.measure(list(dict.fromkeys(q for lq in lane_queries for q in lq.all())), at=at)
     counters = counter_queries(lane_queries, policy=policy, namespace=namespace)
-    raw = [q for cq in counters for q in (cq.requests, cq.bad)]
+    raw = list(dict.fromkeys(q for cq in counters for q in (cq.requests, cq.bad)))
     step = spec.rollout.analysis_interval / SLICES
     boundaries = [backend.measure(raw, at=at - j * step) for j in reversed(range(SLICES + 1))]
     totals: dict[SliceKey, float] = {
@@ -258,8 +269,8 @@ def run_analysis(
         for mq in lq.metrics
         if mq.samples in measurements and measurements[mq.samples].error is None
     }
-    counts = slice_counts(spec, counters, boundaries, totals)
-    lanes = verdicts(spec, lane_queries, measurements, counts, history)
+    counts = slice_counts(spec, counters, boundaries, totals, relative_thresholds(spec, lane_queries, measurements))
+    lanes = verdicts(spec, lane_queries, measurements, counts, history, unlike_load)
     return AnalysisResult(
         time=now,
         window=promql_window(spec.rollout.analysis_interval),
@@ -268,6 +279,46 @@ def run_analysis(
         lanes=lanes,
         tally={**next_tally(counts, history or {}), **sequential_evidence(lanes)},
     )
+
+
+NO_STABLE_P99 = (
+    "no stable p99 to compare with in this window (fewer than minSamples stable requests, or beyond the"
+    " largest bucket): judged on the SLOs alone"
+)
+
+
+def relative_thresholds(
+    spec: PolicySpec, lane_queries: Sequence[LaneQueries], measurements: Mapping[str, Measurement]
+) -> dict[str, float]:
+    """Lane key -> this window's threshold of the relative objective (``rollout.maxP99Increase``
+    times the stable's p99, :func:`.objectives.relative_threshold`), for the lanes and tenant
+    slices whose stable p99 comes from at least ``minSamples`` requests: a p99 of fewer is
+    one of its few slowest requests, no baseline. Empty when the policy sets no relative objective."""
+    out: dict[str, float] = {}
+    if spec.rollout.max_p99_increase is None:
+        return out
+    for lq in lane_queries:
+        if lq.track != "stable":
+            continue
+        mq = lq.metric("p99Latency")
+        value, samples = measurements.get(mq.value), measurements.get(mq.samples)
+        if value is None or samples is None or value.error or samples.error:
+            continue
+        if (samples.value or 0.0) < spec.rollout.min_samples:
+            continue
+        threshold = relative_threshold(spec, value.value)
+        if threshold is not None:
+            out[lq.key] = threshold
+    return out
+
+
+def _not_compared(check: MetricCheck, why: str) -> MetricCheck:
+    """A relative objective's canary check that is not compared with the stable's p99 (none of
+    enough requests, or a step that feeds the canary unlike the stable): passes, saying ``why``
+    (the lane's SLOs still gate it); one that could not be measured, or is thin, stays so."""
+    if check.outcome in (Outcome.ERROR, Outcome.INCONCLUSIVE):
+        return check
+    return dataclasses.replace(check, outcome=Outcome.SUCCESSFUL, note=why)
 
 
 def sequential_evidence(lanes: Sequence[LaneVerdict]) -> dict[str, list[list[float]]]:

@@ -203,10 +203,25 @@ def _detectable(lane: LaneVerdict, confidence: float, analyses: int, needed: flo
     smallest error rate."""
     out: dict[str, object] = {}
     said: list[str] = []
-    lat, slat = lane.check("p99Latency"), lane.check("p99Latency", "stable")
-    found = lane_detectable_regression(lat, slat, confidence, analyses, needed=needed) if lat is not None else None
+    # The SLO's objective, and the relative one where the policy sets maxP99Increase: a
+    # regression either fails is caught, so the smaller of the two is what the gate sees (the
+    # relative one only with a stable p99 to compare with: its threshold is finite; at a step
+    # that feeds the canary unlike the stable, what the like-for-like step would see at this
+    # window's rates, since it is that step that judges it).
+    found: float | None = None
+    for metric in ("p99Latency", "p99Increase"):
+        check, stable = lane.check(metric), lane.check(metric, "stable")
+        if check is None or not math.isfinite(check.threshold):
+            continue
+        x = lane_detectable_regression(check, stable, confidence, analyses, needed=needed)
+        if x is not None:
+            found = x if found is None else min(found, x)
+    lat = lane.check("p99Latency")
     if found is not None and math.isinf(found):
-        said.append(f"no p99 regression up to {LIMIT + 1:g}x (the stable is far under its SLO or the traffic is thin)")
+        why = "the stable is far under its SLO or the traffic is thin"
+        if lane.check("p99Increase") is not None:
+            why = "the traffic is too thin"  # maxP99Increase: the stable's headroom does not matter
+        said.append(f"no p99 regression up to {LIMIT + 1:g}x ({why})")
     elif found is not None:
         out["detectable_p99_regression"] = found
         said.append(f"a p99 regression of {found:.0%} or more")
