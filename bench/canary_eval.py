@@ -27,7 +27,10 @@ errors 1%): ``aa`` the canary is the stable under a new tag; ``faster`` a model 
 ``good`` the demo's good change (16 rows, 5 ms); ``bad`` the demo's bad change (64 rows, 110 ms
 window); ``slower20`` a model 20% slower (every forward time x1.2) at the load where the
 stable's p99 over the whole run is 85% of the SLO; ``shed2`` a queue bound that sheds about 2%
-of requests (error budget 1%).
+of requests (error budget 1%); ``slower50`` (not run by default) a model 1.5x slower at the load
+where *its* p99 over the run is 85% of the SLO: a p99 at least 1.5x the stable's that the SLO
+cannot see, caught only with ``--max-p99-increase`` (the policy's ``rollout.maxP99Increase``,
+which the good changes are then judged under too).
 
 Load: per trace, calibrated at 4 replicas (the rate at which 10% of the stable's 15 s windows
 breach the p99 latency or queue-age SLO by the point estimate: bursts that both tracks see,
@@ -36,7 +39,9 @@ where false rollbacks happen); a cell with 2 replicas runs the same load per pod
 Reported per (cell, scenario): the share of rollouts rolled back / promoted / held (Stalled) /
 unfinished within :data:`ROLLOUT_SECONDS`, for bad changes the analyses until rollback, and what
 the first analysis said the gate can see (``detectableP99Regression``, ``detectableErrorRate``;
-the share of rollouts that said up front a 20% regression, or a 2% error rate, is out of reach).
+the share of rollouts that said up front a 20% regression, or a 2% error rate, is out of reach),
+what the last step's last analysis said of the p99 (the step that promotes), and the objectives
+that failed the rolled-back rollouts (``rolled_back_on``).
 
 Usage: .venv/bin/python bench/canary_eval.py [--rollouts 100] [--out F]; --table F for docs/canary-analysis.md
 """
@@ -76,7 +81,7 @@ from batchpilot_operator.analysis import (
     run_analysis,
     verdicts,
 )
-from batchpilot_operator.fairness import judge_load, per_pod_rate_query
+from batchpilot_operator.fairness import judge_load, per_pod_rate_query, unlike_load
 from batchpilot_operator.rollout import (
     Commands,
     Observed,
@@ -116,7 +121,9 @@ EPOCH = datetime(2026, 1, 1, tzinfo=UTC)
 BOUNDS = np.array([*LATENCY_BUCKETS, math.inf])
 
 STABLE = LaneSettings(max_batch_size=8, max_queue_delay=0.002, max_queue_length=512, request_timeout=TIMEOUT)
-SCENARIOS = ("aa", "faster", "good", "bad", "slower20", "shed2")
+SCENARIOS = ("aa", "faster", "good", "bad", "slower20", "shed2", "slower50")
+DEFAULT_SCENARIOS = SCENARIOS[:-1]
+"""slower50 only where asked for: without --max-p99-increase it shows only what the SLO cannot see."""
 GOOD = ("aa", "faster", "good")
 ROUTINGS = ("ratio", "gateway")
 """``ratio``: the default, each step's weight as a share of the pods (every pod an equal share of
@@ -160,6 +167,8 @@ def policy(
     confidence = confidence or float(os.environ.get("CANARY_EVAL_CONFIDENCE", "0")) or None
     if confidence is not None:
         rollout["confidence"] = confidence
+    if increase := float(os.environ.get("CANARY_EVAL_MAX_P99_INCREASE", "0")):
+        rollout["maxP99Increase"] = increase
     return PolicySpec.model_validate(
         {
             "model": {"name": "mlp", "image": image, "source": "builtin:mlp", "device": "cpu"},
@@ -474,7 +483,7 @@ def answer(w: dict[str, Any], metric: str, kind: str, q: str) -> Measurement:
         if kind in ("samples", "counter_requests"):
             return Measurement(q, value=n if n or kind == "samples" else None)
         return Measurement(q, value=k)
-    b = w["lat" if metric == "p99Latency" else "age"]
+    b = w["lat" if metric in ("p99Latency", "p99Increase") else "age"]  # p99Increase: the same series
     n = b[-1][1]
     if kind == "value":
         return Measurement(q, value=histogram_quantile(0.99, b))
@@ -547,6 +556,7 @@ def analyse(
             stable_revision=revisions[1],
             now=now,
             history=history,
+            unlike_load=unlike_load(spec, step_index),
         )
         routing = spec.rollout.traffic_routing
         if routing is not None:
@@ -615,6 +625,8 @@ def rollout(rule: str, old: PolicySpec, new: PolicySpec, run: Run, start: float)
     now, analyses, first_failed, seen = start, 0, None, 0.0
     detectable: float | None = None  # what the first analysis said the rollout can see
     detectable_errors: float | None = None
+    detectable_last: float | None = None  # ... and the last analysis of the last step (the gating one)
+    failed_by: set[str] = set()  # the objectives of every Failed check the rollout met
     outcome = "running"
     while now < run.duration:
         now += d.requeue_after if d.requeue_after else 1.0
@@ -643,9 +655,18 @@ def rollout(rule: str, old: PolicySpec, new: PolicySpec, run: Run, start: float)
                 detectable = math.inf if found is None else found
                 rate = status.last_analysis.lanes[0].detectable_error_rate
                 detectable_errors = math.inf if rate is None else rate
+            if (
+                status.rollout is not None
+                and status.rollout.step_index == len(spec.rollout.steps) - 1
+                and status.last_analysis is not None
+                and status.last_analysis.lanes
+            ):
+                found = status.last_analysis.lanes[0].detectable_p99_regression
+                detectable_last = math.inf if found is None else found
             seen = max(seen, *(tally_share(v) for k, v in analysis.tally.items() if k.endswith("/canary")), 0.0)
             if d.analysis_outcomes[0] == "Failed" and first_failed is None:
                 first_failed = analyses
+            failed_by |= {c.metric for lane in analysis.lanes for c in lane.checks() if c.outcome is Outcome.FAILED}
         if d.rollout_outcomes:
             outcome = d.rollout_outcomes[0]
             break
@@ -660,6 +681,8 @@ def rollout(rule: str, old: PolicySpec, new: PolicySpec, run: Run, start: float)
         "worst_share_seen": seen,
         "detectable": detectable,
         "detectable_errors": detectable_errors,
+        "detectable_last_step": detectable_last,
+        "failed_by": sorted(failed_by),
     }
 
 
@@ -689,6 +712,8 @@ def canary_settings(scenario: str, shed_queue: int, cell: Cell) -> tuple[LaneSet
         return STABLE, 1.2, policy(8, 2, 512, image="img:slower", cell=cell)
     if scenario == "shed2":
         return LaneSettings(8, 0.002, shed_queue, TIMEOUT), 1.0, policy(8, 2, shed_queue, cell=cell)
+    if scenario == "slower50":
+        return STABLE, 1.5, policy(8, 2, 512, image="img:slower50", cell=cell)
     raise ValueError(scenario)
 
 
@@ -824,11 +849,23 @@ def summarize(c: dict[str, Any], scenario: str, failure_limit: int) -> dict[str,
         out["detectable_p99_regression_median"] = sorted(said)[len(said) // 2]
         # a 20% slower model: did the rollout say up front that 20% is below what it can see?
         out["said_20pct_not_detectable"] = round(sum(x > 0.2 for x in said) / len(said), 4)
+        # the issue's bar: a 1.5x worse p99 always within reach
+        out["said_50pct_not_detectable"] = round(sum(x > 0.5 for x in said) / len(said), 4)
+    said_last = [r["detectable_last_step"] for r in ro if r.get("detectable_last_step") is not None]
+    if said_last:  # what the last step (the one that promotes) said, where the rollout reached it
+        out["detectable_p99_regression_last_step_median"] = sorted(said_last)[len(said_last) // 2]
+        out["said_50pct_not_detectable_last_step"] = round(sum(x > 0.5 for x in said_last) / len(said_last), 4)
     said_errors = [r["detectable_errors"] for r in ro if r.get("detectable_errors") is not None]
     if said_errors:
         out["detectable_error_rate_median"] = sorted(said_errors)[len(said_errors) // 2]
         # a queue shedding 2%: did the rollout say up front that 2% is below what it can see?
         out["said_2pct_errors_not_detectable"] = round(sum(x > 0.02 for x in said_errors) / len(said_errors), 4)
+    by: dict[str, int] = {}
+    for r in rb:
+        for metric in r.get("failed_by", ()):
+            by[metric] = by.get(metric, 0) + 1
+    if by:
+        out["rolled_back_on"] = dict(sorted(by.items()))  # rollbacks with a Failed check of each objective
     if scenario not in GOOD and n:
         out["rolled_back_within_limit_plus_1"] = round(sum(r["analyses"] <= failure_limit + 1 for r in rb) / n, 4)
         out["mean_analyses_to_rollback"] = round(sum(r["analyses"] for r in rb) / len(rb), 2) if rb else None
@@ -862,6 +899,8 @@ def markdown_table(result: dict[str, Any]) -> str:
             extra = f" ({pct(r['held'])} held)" if r.get("held") else ""
             if s == "slower20" and r.get("said_20pct_not_detectable") is not None:
                 extra += f"; {pct(r['said_20pct_not_detectable'])} said 20% is out of reach"
+            if s == "slower50" and r.get("said_50pct_not_detectable") is not None:
+                extra += f"; {pct(r['said_50pct_not_detectable'])} said 50% is out of reach"
             if s == "bad" and r.get("mean_analyses_to_rollback") is not None:
                 extra += f", after {r['mean_analyses_to_rollback']:g} analyses"
             if s == "shed2" and r.get("said_2pct_errors_not_detectable") is not None:
@@ -878,12 +917,15 @@ def main() -> int:
     p.add_argument("--replicas", default="2,4")
     p.add_argument("--routings", default=",".join(ROUTINGS))
     p.add_argument("--tenants", choices=["off", "on", "both"], default="off", help="judge 8 tenant slices too")
-    p.add_argument("--scenarios", default=",".join(SCENARIOS))
+    p.add_argument("--scenarios", default=",".join(DEFAULT_SCENARIOS), help=f"of {','.join(SCENARIOS)}")
     p.add_argument("--duration", type=float, default=300.0, help="seconds of traffic per calibration run")
     p.add_argument("--rate", type=float, default=None, help="mean req/s at 4 replicas (default: calibrated per trace)")
     p.add_argument("--windows", action="store_true", help="also judge every window (the Failed-analysis share)")
     p.add_argument("--workers", type=int, default=2)
     p.add_argument("--confidence", type=float, default=None, help="rollout.confidence (default: the spec's)")
+    p.add_argument(
+        "--max-p99-increase", type=float, default=None, help="rollout.maxP99Increase (default: absent, SLOs only)"
+    )
     p.add_argument("--rules", default="new", help="old,new (old: the rule before the sub-window tests)")
     p.add_argument("--out", type=Path, default=None)
     p.add_argument("--table", type=Path, default=None, help="print the markdown table of a results file (no runs)")
@@ -894,6 +936,8 @@ def main() -> int:
     t0 = time.time()
     if args.confidence:
         os.environ["CANARY_EVAL_CONFIDENCE"] = str(args.confidence)
+    if args.max_p99_increase:
+        os.environ["CANARY_EVAL_MAX_P99_INCREASE"] = str(args.max_p99_increase)
     os.environ["CANARY_EVAL_RULES"] = args.rules
     table = load_profile(PROFILE).exec_table(64, "p50")
     traces = args.traces.split(",")
@@ -916,6 +960,11 @@ def main() -> int:
             mid = math.sqrt(lo * hi)
             lo, hi = (mid, hi) if whole_p99(trace, mid, STABLE, 1.0, table, args.duration) <= 0.85 * 0.12 else (lo, mid)
         slow_rate = round(lo, 1)
+        lo, hi = rate / 8, rate * 2
+        for _ in range(7 if "slower50" in scenarios else 0):  # the 1.5x slower model's p99 at 85% of the SLO
+            mid = math.sqrt(lo * hi)
+            lo, hi = (mid, hi) if whole_p99(trace, mid, STABLE, 1.5, table, args.duration) <= 0.85 * 0.12 else (lo, mid)
+        slower50_rate = round(lo, 1)
         lo_q, hi_q = 1, 64  # shedding falls as the bound grows: the smallest bound shedding <= 2%
         while lo_q < hi_q:
             mid_q = (lo_q + hi_q) // 2
@@ -929,6 +978,15 @@ def main() -> int:
             "slower20_rate": slow_rate,
             "slower20_p99_stable": round(whole_p99(trace, slow_rate, STABLE, 1.0, table, args.duration), 4),
             "slower20_p99_canary": round(whole_p99(trace, slow_rate, STABLE, 1.2, table, args.duration), 4),
+            **(
+                {
+                    "slower50_rate": slower50_rate,
+                    "slower50_p99_stable": round(whole_p99(trace, slower50_rate, STABLE, 1.0, table, args.duration), 4),
+                    "slower50_p99_canary": round(whole_p99(trace, slower50_rate, STABLE, 1.5, table, args.duration), 4),
+                }
+                if "slower50" in scenarios
+                else {}
+            ),
             "shed2_queue_bound": shed_queue,
             "shed2_share": round(shed_share(trace, rate, shed_queue, table, args.duration), 4),
         }
@@ -937,7 +995,7 @@ def main() -> int:
     for where in cells:
         per_pod = where.replicas / REPLICAS  # the same load per pod in every cell
         for k, scenario in enumerate(scenarios):
-            base = setup[where.trace]["slower20_rate" if scenario == "slower20" else "rate"]
+            base = setup[where.trace][f"{scenario}_rate" if scenario in ("slower20", "slower50") else "rate"]
             jobs.append(
                 (
                     where,
@@ -983,6 +1041,7 @@ def main() -> int:
                 for routing in ROUTINGS
             },
             "tenants": list(TENANT_LABELS) if args.tenants != "off" else None,
+            "max_p99_increase": args.max_p99_increase,
         },
         "setup": setup,
         "rows": rows,
