@@ -173,7 +173,9 @@ def follow(
     seen: dict[str, dict[str, Any]] = {}
     steps: dict[int, dict[str, float | None]] = {}  # per step: entered, clock started (s after apply)
     outcome, st = None, {}
+    load_max = 0.0  # the machine's busiest minute while the rollout ran: the benches need it to themselves
     while time.monotonic() - t0 < timeout:
+        load_max = max(load_max, os.getloadavg()[0])
         st = status()
         for entry in st.get("ledger") or []:
             if entry.get("kind") == "Analysis" and entry.get("revision") == revision:
@@ -201,6 +203,7 @@ def follow(
             {"kind": e.get("kind"), "at": since(applied, e.get("time")), "reason": e.get("reason")} for e in decided
         ],
         "loadavg_1m": os.getloadavg()[0],
+        "loadavg_1m_max": round(load_max, 2),
     }
 
 
