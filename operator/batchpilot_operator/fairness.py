@@ -124,9 +124,8 @@ def unlike_load(spec: PolicySpec, step_index: int) -> str | None:
     if spec.rollout.max_p99_increase is None or spec.rollout.traffic_routing is None or step_index >= len(steps):
         return None
 
-    def alike(weight: int) -> bool:
-        ratio = planned_load_ratio(spec.replicas, weight)
-        return ratio > 0 and max(ratio, 1.0 / ratio) <= ALIKE_LOAD_SPREAD
+    def alike(weight: int) -> bool:  # fed as at 100%, where both tracks serve it all (ratio 1)
+        return fed_alike(spec, weight, 100)
 
     weight = steps[step_index].weight
     if alike(weight):

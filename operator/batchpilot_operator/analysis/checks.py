@@ -109,7 +109,7 @@ class MetricCheck:
         """The e-value the sequential gate reads (:func:`judge`): that the canary is worse than
         the stable where one was compared, that it is over its budget otherwise, and always for
         a relative objective (:func:`_gates_on_budget`)."""
-        if self.confidence_worse is None or objective(self.metric).relative:
+        if self.confidence_worse is None or _gates_on_budget(self):
             return self.e_over_budget
         return self.e_worse
 

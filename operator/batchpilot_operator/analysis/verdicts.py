@@ -147,6 +147,7 @@ def verdicts(
     slices: Mapping[SliceKey, Slices] | None = None,
     history: Mapping[str, Sequence[Sequence[float]]] | None = None,
     unlike_load: str | None = None,
+    relative: Mapping[str, float] | None = None,
 ) -> tuple[LaneVerdict, ...]:
     """Turn raw measurements into per-lane verdicts (the canary is judged against the stable).
 
@@ -155,10 +156,13 @@ def verdicts(
     (``status.rollout.evidence``, keyed by :func:`tally_key`), which this window's slices
     extend. The verdict is on the tally (:func:`judge`). ``unlike_load``: why this step's
     canary pods are not fed like the stable's (``fairness.unlike_load``); the relative
-    objective, which compares the canary's p99 with the stable's, then passes saying so."""
+    objective, which compares the canary's p99 with the stable's, then passes saying so.
+    ``relative``: its thresholds by lane key, when the caller has them
+    (:func:`relative_thresholds` of these measurements otherwise)."""
     sl = pooled(slices or {}, history or {})
     min_samples = spec.rollout.min_samples
-    relative = relative_thresholds(spec, lane_queries, measurements)
+    if relative is None:
+        relative = relative_thresholds(spec, lane_queries, measurements)
     by_lane: dict[str, dict[str, list[MetricCheck]]] = {}
     for lq in lane_queries:
         thresholds = lane_thresholds(spec, lq.lane)
@@ -269,8 +273,9 @@ def run_analysis(
         for mq in lq.metrics
         if mq.samples in measurements and measurements[mq.samples].error is None
     }
-    counts = slice_counts(spec, counters, boundaries, totals, relative_thresholds(spec, lane_queries, measurements))
-    lanes = verdicts(spec, lane_queries, measurements, counts, history, unlike_load)
+    relative = relative_thresholds(spec, lane_queries, measurements)
+    counts = slice_counts(spec, counters, boundaries, totals, relative)
+    lanes = verdicts(spec, lane_queries, measurements, counts, history, unlike_load, relative)
     return AnalysisResult(
         time=now,
         window=promql_window(spec.rollout.analysis_interval),
