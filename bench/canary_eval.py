@@ -163,6 +163,10 @@ def policy(
     }
     if cell.routing == "gateway":
         rollout["steps"] = [{"weight": w, "pause": "20s"} for w in (10, 25, 50)]
+    if last_pause := os.environ.get("CANARY_EVAL_LAST_PAUSE"):
+        rollout["steps"][-1]["pause"] = f"{float(last_pause):g}s"
+    if interval := os.environ.get("CANARY_EVAL_INTERVAL"):
+        rollout["analysisInterval"] = f"{float(interval):g}s"
         rollout["trafficRouting"] = {"gatewayAPI": {"httpRoute": "r", "rule": "infer"}, "minCanaryLoadRatio": 0.5}
     confidence = confidence or float(os.environ.get("CANARY_EVAL_CONFIDENCE", "0")) or None
     if confidence is not None:
@@ -718,9 +722,18 @@ def canary_settings(scenario: str, shed_queue: int, cell: Cell) -> tuple[LaneSet
 
 
 ROLLOUT_SECONDS = 180.0
-"""Traffic per rollout (from 10 s in): every step and a failureLimit of Failed analyses fit
-several times over (a clean rollout is promoted in 45-90 s); a rollout still running at the
-end (Inconclusive analyses that neither pass nor fail it) is counted as ``unfinished``."""
+"""Traffic per rollout (from 10 s in) with the 20 s pauses: every step and a failureLimit of
+Failed analyses fit several times over (a clean rollout is promoted in 45-90 s); a rollout
+still running at the end (Inconclusive analyses that neither pass nor fail it) is counted as
+``unfinished``. A longer last pause (``--last-pause``) adds its extra seconds."""
+
+
+def rollout_seconds(spec: PolicySpec) -> float:
+    """:data:`ROLLOUT_SECONDS` scaled by how much longer ``spec``'s steps and analyses are
+    than the 20 s pauses and 15 s interval it was sized for (``--last-pause``, ``--interval``)."""
+    r = spec.rollout
+    clean = sum(st.pause + r.analysis_interval for st in r.steps)
+    return ROLLOUT_SECONDS * max(1.0, clean / (35.0 * len(r.steps)))
 
 
 def cell(args: tuple[Cell, str, float, int, int, int, list[float], bool]) -> dict[str, Any]:
@@ -738,7 +751,7 @@ def cell(args: tuple[Cell, str, float, int, int, int, list[float], bool]) -> dic
     for i in range(rollouts):
         seed = seed0 + i
         rng = random.Random(seed)
-        arrivals = make_trace(where.trace, rate, ROLLOUT_SECONDS + 10.0, rng)
+        arrivals = make_trace(where.trace, rate, rollout_seconds(new_spec) + 10.0, rng)
         run = simulate_run(
             arrivals,
             canary,
@@ -747,7 +760,10 @@ def cell(args: tuple[Cell, str, float, int, int, int, list[float], bool]) -> dic
             seed,
             new_spec,
             where.tenants,
-            horizon=None if windows else 20.0 + 35.0 * len(new_spec.rollout.steps),  # a clean rollout's time
+            # a clean rollout's time: each step's pause and an interval
+            horizon=None
+            if windows
+            else 20.0 + sum(st.pause + new_spec.rollout.analysis_interval for st in new_spec.rollout.steps),
         )
         for rule in counts:
             c = counts[rule]
@@ -926,6 +942,10 @@ def main() -> int:
     p.add_argument(
         "--max-p99-increase", type=float, default=None, help="rollout.maxP99Increase (default: absent, SLOs only)"
     )
+    p.add_argument(
+        "--last-pause", type=float, default=None, help="seconds of the last step's pause (default: 20, as the others)"
+    )
+    p.add_argument("--interval", type=float, default=None, help="seconds of rollout.analysisInterval (default: 15)")
     p.add_argument("--rules", default="new", help="old,new (old: the rule before the sub-window tests)")
     p.add_argument("--out", type=Path, default=None)
     p.add_argument("--table", type=Path, default=None, help="print the markdown table of a results file (no runs)")
@@ -938,6 +958,10 @@ def main() -> int:
         os.environ["CANARY_EVAL_CONFIDENCE"] = str(args.confidence)
     if args.max_p99_increase:
         os.environ["CANARY_EVAL_MAX_P99_INCREASE"] = str(args.max_p99_increase)
+    if args.last_pause:
+        os.environ["CANARY_EVAL_LAST_PAUSE"] = str(args.last_pause)
+    if args.interval:
+        os.environ["CANARY_EVAL_INTERVAL"] = str(args.interval)
     os.environ["CANARY_EVAL_RULES"] = args.rules
     table = load_profile(PROFILE).exec_table(64, "p50")
     traces = args.traces.split(",")
@@ -1033,7 +1057,7 @@ def main() -> int:
             "exec_profile": str(PROFILE.relative_to(ROOT)),
             "exec_noise_sigma": EXEC_SIGMA,
             "rollouts_per_cell": args.rollouts,
-            "rollout_seconds": ROLLOUT_SECONDS,
+            "rollout_seconds": rollout_seconds(policy(8, 2, 512)),
             "rollout": {
                 routing: policy(8, 2, 512, cell=Cell("code", routing=routing)).rollout.model_dump(
                     mode="json", by_alias=True, exclude_none=True
@@ -1042,6 +1066,8 @@ def main() -> int:
             },
             "tenants": list(TENANT_LABELS) if args.tenants != "off" else None,
             "max_p99_increase": args.max_p99_increase,
+            "last_pause": args.last_pause,
+            "analysis_interval": args.interval,
         },
         "setup": setup,
         "rows": rows,
