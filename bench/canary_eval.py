@@ -30,7 +30,9 @@ stable's p99 over the whole run is 85% of the SLO; ``shed2`` a queue bound that 
 of requests (error budget 1%); ``slower50`` (not run by default) a model 1.5x slower at the load
 where *its* p99 over the run is 85% of the SLO: a p99 at least 1.5x the stable's that the SLO
 cannot see, caught only with ``--max-p99-increase`` (the policy's ``rollout.maxP99Increase``,
-which the good changes are then judged under too).
+which the good changes are then judged under too); ``p99x1.5`` (not run by default) a model
+slowed until its p99 over the run is 1.5x the stable's at the cell's own rate (the trace's
+calibrated one, or ``--rate``): the regression ``kubectl batchpilot status`` states a reach for.
 
 Load: per trace, calibrated at 4 replicas (the rate at which 10% of the stable's 15 s windows
 breach the p99 latency or queue-age SLO by the point estimate: bursts that both tracks see,
@@ -121,9 +123,10 @@ EPOCH = datetime(2026, 1, 1, tzinfo=UTC)
 BOUNDS = np.array([*LATENCY_BUCKETS, math.inf])
 
 STABLE = LaneSettings(max_batch_size=8, max_queue_delay=0.002, max_queue_length=512, request_timeout=TIMEOUT)
-SCENARIOS = ("aa", "faster", "good", "bad", "slower20", "shed2", "slower50")
-DEFAULT_SCENARIOS = SCENARIOS[:-1]
-"""slower50 only where asked for: without --max-p99-increase it shows only what the SLO cannot see."""
+SCENARIOS = ("aa", "faster", "good", "bad", "slower20", "shed2", "slower50", "p99x1.5")
+DEFAULT_SCENARIOS = SCENARIOS[:-2]
+"""slower50 and p99x1.5 only where asked for: without --max-p99-increase they show only what
+the SLO cannot see."""
 GOOD = ("aa", "faster", "good")
 ROUTINGS = ("ratio", "gateway")
 """``ratio``: the default, each step's weight as a share of the pods (every pod an equal share of
@@ -700,7 +703,9 @@ def tally_share(slices: list[list[float]]) -> float:
 # --------------------------------------------------------------------------- the study
 
 
-def canary_settings(scenario: str, shed_queue: int, cell: Cell) -> tuple[LaneSettings, float, PolicySpec]:
+def canary_settings(
+    scenario: str, shed_queue: int, cell: Cell, p99x15_scale: float = 1.5
+) -> tuple[LaneSettings, float, PolicySpec]:
     if scenario == "aa":
         # The same model and settings under a new image tag: a new revision that is the stable.
         return STABLE, 1.0, policy(8, 2, 512, image="img:aa", cell=cell)
@@ -718,6 +723,8 @@ def canary_settings(scenario: str, shed_queue: int, cell: Cell) -> tuple[LaneSet
         return LaneSettings(8, 0.002, shed_queue, TIMEOUT), 1.0, policy(8, 2, shed_queue, cell=cell)
     if scenario == "slower50":
         return STABLE, 1.5, policy(8, 2, 512, image="img:slower50", cell=cell)
+    if scenario == "p99x1.5":
+        return STABLE, p99x15_scale, policy(8, 2, 512, image="img:p99x1.5", cell=cell)
     raise ValueError(scenario)
 
 
@@ -736,12 +743,12 @@ def rollout_seconds(spec: PolicySpec) -> float:
     return ROLLOUT_SECONDS * max(1.0, clean / (35.0 * len(r.steps)))
 
 
-def cell(args: tuple[Cell, str, float, int, int, int, list[float], bool]) -> dict[str, Any]:
+def cell(args: tuple[Cell, str, float, int, int, int, list[float], bool, float]) -> dict[str, Any]:
     """``rollouts`` whole rollouts of one scenario in one cell, each over its own simulated run
     (a random start into the trace); with ``windows``, every analysis window of every step's
     layout is judged too (the share of Failed analyses)."""
-    where, scenario, rate, rollouts, seed0, shed_queue, table, windows = args
-    canary, scale, new_spec = canary_settings(scenario, shed_queue, where)
+    where, scenario, rate, rollouts, seed0, shed_queue, table, windows, p99x15_scale = args
+    canary, scale, new_spec = canary_settings(scenario, shed_queue, where, p99x15_scale)
     old_spec = policy(8, 2, 512, cell=where)
     counts: dict[str, Any] = {
         r: {"analyses": 0, "failed": 0, "inconclusive": 0, "rollouts": []}
@@ -989,6 +996,16 @@ def main() -> int:
             mid = math.sqrt(lo * hi)
             lo, hi = (mid, hi) if whole_p99(trace, mid, STABLE, 1.5, table, args.duration) <= 0.85 * 0.12 else (lo, mid)
         slower50_rate = round(lo, 1)
+        lo_s, hi_s = 1.0, 3.0
+        base_p99 = whole_p99(trace, rate, STABLE, 1.0, table, args.duration)
+        for _ in range(8 if "p99x1.5" in scenarios else 0):  # the model scale whose p99 is 1.5x the stable's
+            mid = (lo_s + hi_s) / 2
+            lo_s, hi_s = (
+                (mid, hi_s)
+                if whole_p99(trace, rate, STABLE, mid, table, args.duration) < 1.5 * base_p99
+                else (lo_s, mid)
+            )
+        p99x15_scale = round(hi_s, 3)
         lo_q, hi_q = 1, 64  # shedding falls as the bound grows: the smallest bound shedding <= 2%
         while lo_q < hi_q:
             mid_q = (lo_q + hi_q) // 2
@@ -1011,6 +1028,15 @@ def main() -> int:
                 if "slower50" in scenarios
                 else {}
             ),
+            **(
+                {
+                    "p99x1.5_model_scale": p99x15_scale,
+                    "p99x1.5_p99_stable": round(base_p99, 4),
+                    "p99x1.5_p99_canary": round(whole_p99(trace, rate, STABLE, p99x15_scale, table, args.duration), 4),
+                }
+                if "p99x1.5" in scenarios
+                else {}
+            ),
             "shed2_queue_bound": shed_queue,
             "shed2_share": round(shed_share(trace, rate, shed_queue, table, args.duration), 4),
         }
@@ -1030,6 +1056,7 @@ def main() -> int:
                     setup[where.trace]["shed2_queue_bound"],
                     table,
                     args.windows,
+                    setup[where.trace].get("p99x1.5_model_scale", 1.5),
                 )
             )
     rows = []
