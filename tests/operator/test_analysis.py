@@ -472,6 +472,28 @@ def test_verdict_table(canary: Row, stable: Row | None, outcome: Outcome, why: s
             assert check.confidence_over_budget is not None and check.confidence_over_budget >= 0.95
 
 
+@pytest.mark.parametrize(
+    ("canary", "stable", "passes", "why"),
+    [
+        # The shipped gateway example's 10th A/A (bench/results/gateway_example.json): 1.25% of
+        # the canary's requests over the SLO against 0.86% of the stable's, neither clearly worse
+        # nor clearly over budget, the stable not clearly under its 1% either: the system sits
+        # at its SLO, not the canary. It held the step 10 times and stalled; now it passes.
+        ((0.06, 878.0, 11.0), (0.05, 2676.0, 23.0), True, "sits at its 1% budget too (0.859%, not clearly under it)"),
+        # a canary as little over beside a stable clearly under its budget (0.59% of 2708): held
+        ((0.06, 878.0, 9.0), (0.05, 2708.0, 16.0), False, "not clearly worse than the stable track"),
+        # a stable too thin to be clearly under 1% even with no breach (0 of 250): its point
+        # share decides, and 0% is no breach to share: held
+        ((0.3, 200.0, 3.0), (0.1, 250.0, 0.0), False, "not clearly worse than the stable track"),
+    ],
+)
+def test_a_stable_at_its_budget_shares_the_breach(canary: Row, stable: Row, passes: bool, why: str) -> None:
+    check = _judged(canary, stable)
+    assert check.outcome is Outcome.INCONCLUSIVE, check.describe()
+    assert why in check.describe()
+    assert check.shared_breach is passes
+
+
 def test_confidence_is_the_policys_knob() -> None:
     # 12 of 300 over the SLO (4%) against 12 of 900 on the stable (1.3%): worse with ~99.6%
     # confidence. Failed at the default 95% and at 99%, Inconclusive at 99.9%.

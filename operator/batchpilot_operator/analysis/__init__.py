@@ -54,8 +54,9 @@ track's over the same sub-windows:
   requests in the window that do not show a breach of their own with that confidence), being
   over the budget with that confidence decides instead;
 * otherwise (a breach the stable shares, or too thin to tell) -> ``Inconclusive``, with the
-  reason in the evidence. A breach the stable shares without the canary being clearly worse
-  passes the lane's step like a Successful analysis (a burst, not the canary); any other
+  reason in the evidence. A breach the stable shares, or one beside a stable at its budget
+  (not clearly under it), without the canary being clearly worse passes the lane's step like
+  a Successful analysis (a burst or a system at its SLO, not the canary); any other
   breach extends the step and takes back the lane's earlier pass of it
   (:attr:`LaneVerdict.passes_step` / :attr:`LaneVerdict.holds_step`). After
   ``maxInconclusive`` in a row the rollout holds as Stalled; it never rolls back for this.

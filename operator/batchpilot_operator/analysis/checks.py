@@ -76,8 +76,9 @@ class MetricCheck:
     """(bad events, requests) the verdict was on: this window's and the earlier analyses'."""
     stable_tally: tuple[float, float] | None = None
     shared_breach: bool = False
-    """Inconclusive because the stable's tally breaches too and the canary is not clearly
-    worse: a burst or an overload both tracks see, not the canary."""
+    """Inconclusive because the stable's tally breaches too, or sits at the budget (not
+    clearly under it), and the canary is not clearly worse: a burst or an overload both
+    tracks see, or a system at its SLO, not the canary."""
     tenant: str | None = None
     """The tenant slice this check is of (None: the lane's total)."""
     codes: tuple[tuple[str, float], ...] | None = None
@@ -358,15 +359,34 @@ def judge(
     note = None
     stable_share = stable_tally[0] / stable_tally[1] if stable_tally is not None and stable_tally[1] > 0 else 0.0
     shared = stable_tally is not None and stable_share > canary.budget
+    # A canary not clearly worse than the stable passes the step where the stable breaches too,
+    # and also where the stable sits at its budget: not clearly under it, with requests enough
+    # that a clean stable would be (a thinner stable says nothing either way: its point share
+    # decides, as before). The line between a stable at 1.02% (shared) and 0.98% (the canary's
+    # 1.1% held the step) is noise, and a healthy canary beside a stable at its SLO held on it
+    # window after window until the rollout stalled (docs/traffic-routing.md). Not for a
+    # relative objective: the stable's share over its threshold is under the budget by
+    # construction.
+    at_budget = shared or (
+        stable_tally is not None
+        and not _gates_on_budget(canary)
+        and _clearly_under(0.0, stable_tally[1], canary.budget, confidence)
+        and not _clearly_under(stable_tally[0], stable_tally[1], canary.budget, confidence)
+    )
     needs = f"needs {format_confidence(confidence)} confidence"
     if worse is None and over < confidence:
         note = f"a breach this thin is not conclusive ({needs})"
     elif worse is not None and worse < confidence:
-        note = (
-            "the stable track breaches too: not clearly the canary's doing"
-            if shared
-            else "not clearly worse than the stable track"
-        ) + f" ({needs})"
+        if shared:
+            note = "the stable track breaches too: not clearly the canary's doing"
+        elif at_budget:
+            note = (
+                f"the stable track sits at its {format_share(canary.budget)} budget too "
+                f"({format_share(stable_share)}, not clearly under it): not clearly the canary's doing"
+            )
+        else:
+            note = "not clearly worse than the stable track"
+        note += f" ({needs})"
     elif shared and k_c / n_c < SHARED_BREACH_RATIO * stable_share:
         note = (
             f"the stable track breaches too ({format_share(stable_share)}): the canary is worse, but not "
@@ -389,7 +409,7 @@ def judge(
         stable=stable,
         tally=(k_c, n_c),
         stable_tally=stable_tally,
-        shared_breach=shared and worse is not None and worse < confidence,
+        shared_breach=at_budget and worse is not None and worse < confidence,
         burstiness=burstiness,
     )
 
@@ -416,6 +436,15 @@ def _extend(
         worse = log_lr_worse(k_c, n_c, k_s, n_s, discount)
     before_over, before_worse = (tuple(earlier[0]), tuple(earlier[1])) if earlier and len(earlier) == 2 else ((), ())
     return accumulate(before_over, over), accumulate(before_worse, worse)
+
+
+def _clearly_under(k: float, n: float, budget: float, confidence: float) -> bool:
+    """Whether ``k`` bad events in ``n`` requests are under ``budget`` with ``confidence``:
+    as few would be seen at the budget itself less than ``1 - confidence`` of the time (the
+    exact binomial test; no requests: not clearly anything)."""
+    if n <= 0:
+        return False
+    return 1.0 - binomial_sf(k + 1, n, budget) < 1.0 - confidence
 
 
 def _gates_on_budget(check: MetricCheck) -> bool:

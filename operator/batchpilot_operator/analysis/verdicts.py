@@ -82,8 +82,9 @@ class LaneVerdict:
     @property
     def passes_step(self) -> bool:
         """Nothing against the canary: every objective Successful, or breached only as the
-        stable breaches too without the canary being clearly worse (a burst both tracks saw);
-        and so in every tenant slice, where a thin objective counts for nothing."""
+        stable breaches too, or sits at its budget, without the canary being clearly worse (a
+        burst both tracks saw, a system at its SLO: ``MetricCheck.shared_breach``); and so in
+        every tenant slice, where a thin objective counts for nothing."""
         thin_ok = self.tenant is not None
 
         def passes(c: MetricCheck) -> bool:
