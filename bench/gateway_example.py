@@ -138,7 +138,7 @@ class Lane:
         seed: int,
         good_change: str = "aa",
     ) -> None:
-        self.cluster, self.ns, self.rate, self.good_change = cluster, ns, rate, good_change
+        self.cluster, self.prom, self.ns, self.rate, self.good_change = cluster, prom, ns, rate, good_change
         self.kubectl_bin = str(cluster.bin_dir / "kubectl")
         self.example = yaml.safe_load(EXAMPLE.read_text())
         self.name = self.example["metadata"]["name"]
@@ -210,6 +210,8 @@ class Lane:
         applied = time.time()
         self.kubectl("apply", "-n", self.ns, "-f", "-", stdin=yaml.safe_dump(doc))
         record = follow(self.status, revision, applied, timeout, outcome_of, poll=2.0)
+        with contextlib.suppress(Exception):  # a diagnosis: a failed query loses only this
+            record["pods"] = self.pod_loads(applied, record["steps"], time.time())
         if record["outcome"] == "Promoted":
             self.stable_lane = dict(lane)
         if record["outcome"] == "RolledBack" and not any(d["kind"] == "CanaryStarted" for d in record["decisions"]):
@@ -226,6 +228,42 @@ class Lane:
             "revision": revision,
             **record,
         }
+
+    def pod_loads(self, applied: float, steps: list[dict[str, Any]], end: float) -> list[dict[str, Any]]:
+        """Per step (from its clock's start to the next step's entry), per pod: the requests it
+        served and its shares over the example's queue-age and p99 SLOs. The operator judges a
+        track's pods pooled; this shows whether the track's load was spread evenly over them."""
+        slo = parse_spec(self.example["spec"]).slo
+        bounds = {"queue_age": float(slo.max_queue_age), "latency": float(slo.p99_latency)}
+        sel = f'namespace="{self.ns}",policy="{self.name}"'
+        out = []
+        for i, step in enumerate(steps):
+            if step.get("clock_started") is None:
+                continue
+            start = applied + step["clock_started"]
+            stop = applied + steps[i + 1]["entered"] if i + 1 < len(steps) and steps[i + 1].get("entered") else end
+            span = f"{max(1, round(stop - start))}s"
+            pods: dict[str, dict[str, Any]] = {}
+            for metric, bound in bounds.items():
+                series = f"batchpilot_{'queue_age' if metric == 'queue_age' else 'request_latency'}_seconds"
+                for r in self.prom.query(
+                    f"sum by (pod, track, le) (increase({series}_bucket{{{sel}}}[{span}]))", at=stop
+                ):
+                    le, n = r["metric"]["le"], float(r["value"][1])
+                    pod = pods.setdefault(r["metric"]["pod"], {"track": r["metric"]["track"]})
+                    if le == "+Inf":
+                        pod["requests"] = round(n)
+                    elif abs(float(le) - bound) < 1e-9:
+                        pod[f"{metric}_within"] = n
+            for pod in pods.values():
+                total = pod.get("requests") or 0
+                for metric in bounds:
+                    within = pod.pop(f"{metric}_within", None)
+                    pod[f"over_{metric}_pct"] = (
+                        round(100 * (1 - within / total), 2) if total and within is not None else None
+                    )
+            out.append({"step": step["step"], "seconds": round(stop - start), "pods": dict(sorted(pods.items()))})
+        return out
 
     def abort(self, revision: str, timeout: float) -> bool:
         """``kubectl batchpilot abort``'s annotation; whether the canary was rolled back in time."""

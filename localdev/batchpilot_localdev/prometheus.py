@@ -209,9 +209,10 @@ class PrometheusServer:
 
     # ------------------------------------------------------------------ queries
 
-    def query(self, promql: str) -> list[Any]:
-        """Instant query; the ``data.result`` list (raises on HTTP errors)."""
-        url = f"{self.url}/api/v1/query?" + urllib.parse.urlencode({"query": promql})
+    def query(self, promql: str, at: float | None = None) -> list[Any]:
+        """Instant query (now, or at unix time ``at``); the ``data.result`` list (raises on HTTP errors)."""
+        params = {"query": promql} if at is None else {"query": promql, "time": f"{at:.3f}"}
+        url = f"{self.url}/api/v1/query?" + urllib.parse.urlencode(params)
         with urllib.request.urlopen(url, timeout=5) as resp:
             body = json.loads(resp.read())
         result: list[Any] = body["data"]["result"]
