@@ -11,6 +11,8 @@ harness), Contour and Envoy (``batchpilot_localdev/gateway.py``); every request 
   requests are sent through the gateway; the share
   that reached the canary, counted from the runtimes' own ``batchpilot_requests_total``, must be
   within 2 percentage points of the weight (the weight is checked unchanged after the burst).
+  At 50% (two pods per track) requests sent one at a time reach each of a track's pods about
+  equally, as Envoy balances requests over endpoints in a cluster.
 * While the canary runs, requests with the tenant header all reach it (the revision in each answer).
 * A bad change is rolled back, and a watch of the HTTPRoute and the canary Deployment shows
   the route at weight 0 (resourceVersion order, which etcd makes total) before the canary
@@ -134,9 +136,9 @@ def with_window(window: str, max_batch_size: int | None = None) -> dict[str, Any
     return policy
 
 
-def requests_by_track(harness: RuntimeHarness) -> Counter[str]:
-    """Each runtime's own count of the requests it answered, summed per track."""
-    totals: Counter[str] = Counter()
+def requests_by_pod(harness: RuntimeHarness) -> Counter[tuple[str, str]]:
+    """Each runtime's own count of the requests it answered, by (track, pod)."""
+    totals: Counter[tuple[str, str]] = Counter()
     for p in harness.processes():
         try:
             with urllib.request.urlopen(f"{p.url}/metrics", timeout=5) as resp:
@@ -145,7 +147,15 @@ def requests_by_track(harness: RuntimeHarness) -> Counter[str]:
             continue
         for line in text.splitlines():
             if line.startswith("batchpilot_requests_total{") and 'outcome="invalid"' not in line:
-                totals[p.track] += int(float(line.rsplit(" ", 1)[1]))
+                totals[(p.track, p.pod)] += int(float(line.rsplit(" ", 1)[1]))
+    return totals
+
+
+def requests_by_track(harness: RuntimeHarness) -> Counter[str]:
+    """Each runtime's own count of the requests it answered, summed per track."""
+    totals: Counter[str] = Counter()
+    for (track, _), n in requests_by_pod(harness).items():
+        totals[track] += n
     return totals
 
 
@@ -427,6 +437,20 @@ def test_weights_header_and_rollback_through_contour_and_envoy(scenario: Scenari
         assert total >= 2000, counted
         assert not [k for k in answers if k.startswith("http")], answers
         assert abs(share - weight) <= 2.0, figures["steps"][-1]
+        if weight == 50:
+            # One request at a time, as a quiet client sends them: in a cluster Envoy balances
+            # each request over a track's endpoints, so each of its two pods gets about half.
+            # (Over kept-alive connections to the local track proxy they rode one connection
+            # and so one pod, whichever took it: batchpilot_localdev/gateway.py.)
+            with header_stream.busy:
+                before_pods = requests_by_pod(s.harness)
+                burst(s.gw.url, 400, concurrency=1)
+                spread = requests_by_pod(s.harness)
+            per_pod = {key: spread[key] - before_pods[key] for key in spread}
+            figures["one_at_a_time_by_pod"] = {f"{t}/{pod}": n for (t, pod), n in sorted(per_pod.items())}
+            for track in ("stable", "canary"):
+                got = [n for (t, _), n in per_pod.items() if t == track]
+                assert len(got) == 2 and all(0.3 < n / sum(got) < 0.7 for n in got), per_pod
         if weight == 10:
             # The fairness check's own query, on the real Prometheus: one canary pod at 10%
             # gets far less per pod than each of the two stable pods (45% each), underfed
