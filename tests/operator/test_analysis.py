@@ -475,7 +475,7 @@ def test_verdict_table(canary: Row, stable: Row | None, outcome: Outcome, why: s
 @pytest.mark.parametrize(
     ("canary", "stable", "passes", "why"),
     [
-        # The shipped gateway example's 10th A/A (bench/results/gateway_example.json): 1.25% of
+        # The shipped gateway example's 10th A/A (bench/results/gateway_example-pinned-connections.json): 1.25% of
         # the canary's requests over the SLO against 0.86% of the stable's, neither clearly worse
         # nor clearly over budget, the stable not clearly under its 1% either: the system sits
         # at its SLO, not the canary. It held the step 10 times and stalled; now it passes.
