@@ -70,6 +70,7 @@ from batchpilot_localdev.harness import RuntimeHarness  # noqa: E402
 from batchpilot_localdev.load import TraceReplay  # noqa: E402
 from batchpilot_localdev.prometheus import PrometheusServer, ScrapeTarget  # noqa: E402
 from batchpilot_localdev.scenario import start_operator  # noqa: E402
+from batchpilot_operator.analysis.objectives import LATENCY_METRIC, QUEUE_AGE_METRIC  # noqa: E402
 from batchpilot_operator.rollout.inputs import ABORT_ANNOTATION  # noqa: E402
 from batchpilot_operator.spec import parse_spec  # noqa: E402
 from canary_eval import make_trace  # noqa: E402
@@ -234,7 +235,10 @@ class Lane:
         served and its shares over the example's queue-age and p99 SLOs. The operator judges a
         track's pods pooled; this shows whether the track's load was spread evenly over them."""
         slo = parse_spec(self.example["spec"]).slo
-        bounds = {"queue_age": float(slo.max_queue_age), "latency": float(slo.p99_latency)}
+        bounds = {  # name in the record -> (histogram, SLO bound)
+            "queue_age": (QUEUE_AGE_METRIC, float(slo.max_queue_age)),
+            "latency": (LATENCY_METRIC, float(slo.p99_latency)),
+        }
         sel = f'namespace="{self.ns}",policy="{self.name}"'
         out = []
         for i, step in enumerate(steps):
@@ -244,8 +248,7 @@ class Lane:
             stop = applied + steps[i + 1]["entered"] if i + 1 < len(steps) and steps[i + 1].get("entered") else end
             span = f"{max(1, round(stop - start))}s"
             pods: dict[str, dict[str, Any]] = {}
-            for metric, bound in bounds.items():
-                series = f"batchpilot_{'queue_age' if metric == 'queue_age' else 'request_latency'}_seconds"
+            for metric, (series, bound) in bounds.items():
                 for r in self.prom.query(
                     f"sum by (pod, track, le) (increase({series}_bucket{{{sel}}}[{span}]))", at=stop
                 ):
