@@ -166,11 +166,11 @@ def policy(
     }
     if cell.routing == "gateway":
         rollout["steps"] = [{"weight": w, "pause": "20s"} for w in (10, 25, 50)]
+        rollout["trafficRouting"] = {"gatewayAPI": {"httpRoute": "r", "rule": "infer"}, "minCanaryLoadRatio": 0.5}
     if last_pause := os.environ.get("CANARY_EVAL_LAST_PAUSE"):
         rollout["steps"][-1]["pause"] = f"{float(last_pause):g}s"
     if interval := os.environ.get("CANARY_EVAL_INTERVAL"):
         rollout["analysisInterval"] = f"{float(interval):g}s"
-        rollout["trafficRouting"] = {"gatewayAPI": {"httpRoute": "r", "rule": "infer"}, "minCanaryLoadRatio": 0.5}
     confidence = confidence or float(os.environ.get("CANARY_EVAL_CONFIDENCE", "0")) or None
     if confidence is not None:
         rollout["confidence"] = confidence
