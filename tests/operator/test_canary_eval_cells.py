@@ -2,9 +2,9 @@
 
 The study's numbers describe a routing only if its policies route as named: a ``gateway`` cell
 is a policy with a Gateway API route (exact weights 10/25/50, minCanaryLoadRatio 0.5, as the
-shipped example), a ``ratio`` cell one without (each step's weight a share of the pods). For
-six hours on 2026-12-06 ``--interval`` moved the route onto every cell and off the gateway
-cells without it, and the matrix's "gateway" rows were replica-ratio rollouts."""
+shipped example), a ``ratio`` cell one without (each step's weight a share of the pods). From
+00:21 to 08:12 UTC on 2026-12-06 ``--interval`` moved the route onto every cell and off the
+gateway cells without it, and the matrix's "gateway" rows were replica-ratio rollouts."""
 
 from __future__ import annotations
 
