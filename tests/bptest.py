@@ -90,7 +90,9 @@ class Kube:
             if "NotFound" in result.stderr or "not found" in result.stderr:
                 return None
             raise AssertionError(result.stderr)
-        obj: dict[str, Any] = yaml.safe_load(result.stdout)
+        # json, not yaml: PyYAML parses a 24 KB status in ~60 ms of pure Python holding the GIL,
+        # at every poll (0.3 s), which made a load sender in the test process late (TraceReplay.late).
+        obj: dict[str, Any] = json.loads(result.stdout)
         return obj
 
     def wait_for(self, predicate: Any, timeout: float, what: str) -> Any:
