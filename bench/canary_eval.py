@@ -593,7 +593,8 @@ def analyse(
 
 
 def rollout(rule: str, old: PolicySpec, new: PolicySpec, run: Run, start: float) -> dict[str, Any]:
-    """One rollout of ``new`` over ``old`` through the real planner, every pod ready at once."""
+    """One rollout of ``new`` over ``old`` through the real planner, every pod ready at once;
+    its ``trail`` holds each analysis (:func:`trail_entry`)."""
     status = Status()
     observed = Observed()
     spec, generation = old, 1
@@ -634,6 +635,7 @@ def rollout(rule: str, old: PolicySpec, new: PolicySpec, run: Run, start: float)
     detectable_errors: float | None = None
     detectable_last: float | None = None  # ... and the last analysis of the last step (the gating one)
     failed_by: set[str] = set()  # the objectives of every Failed check the rollout met
+    trail: list[dict[str, Any]] = []
     outcome = "running"
     while now < run.duration:
         now += d.requeue_after if d.requeue_after else 1.0
@@ -657,6 +659,7 @@ def rollout(rule: str, old: PolicySpec, new: PolicySpec, run: Run, start: float)
         d = step(now, analysis)
         if analysis is not None and d.analysis_outcomes:
             analyses += 1
+            trail.append(trail_entry(now - start, status, analysis, d.analysis_outcomes[0]))
             if analyses == 1 and status.last_analysis is not None and status.last_analysis.lanes:
                 found = status.last_analysis.lanes[0].detectable_p99_regression
                 detectable = math.inf if found is None else found
@@ -690,6 +693,36 @@ def rollout(rule: str, old: PolicySpec, new: PolicySpec, run: Run, start: float)
         "detectable_errors": detectable_errors,
         "detectable_last_step": detectable_last,
         "failed_by": sorted(failed_by),
+        "trail": trail,
+    }
+
+
+def trail_entry(t: float, status: Status, analysis: AnalysisResult, outcome: str) -> dict[str, Any]:
+    """One analysis of a rollout, compact (``--explain``): when, the step, the outcome, and per
+    objective of the first lane's total its outcome, the canary's and the stable's
+    (bad, requests) over the window and over the tally, and the note."""
+
+    def pair(x: tuple[float, float] | None) -> list[float] | None:
+        return None if x is None else [round(x[0], 1), round(x[1], 1)]
+
+    lane = analysis.lanes[0]
+    checks = {}
+    for c in lane.canary:
+        s = c.stable
+        checks[c.metric] = {
+            "outcome": c.outcome.value,
+            "canary": [round(c.bad or 0.0, 1), round(c.samples or 0.0, 1)],
+            "stable": None if s is None else [round(s.bad or 0.0, 1), round(s.samples or 0.0, 1)],
+            "tally": pair(c.tally),
+            "stable_tally": pair(c.stable_tally),
+            "shared_breach": c.shared_breach,
+            "note": (c.note or "")[:160] or None,
+        }
+    return {
+        "t": round(t, 1),
+        "step": status.rollout.step_index if status.rollout is not None else None,
+        "outcome": outcome,
+        "checks": checks,
     }
 
 
@@ -743,11 +776,13 @@ def rollout_seconds(spec: PolicySpec) -> float:
     return ROLLOUT_SECONDS * max(1.0, clean / (35.0 * len(r.steps)))
 
 
-def cell(args: tuple[Cell, str, float, int, int, int, list[float], bool, float]) -> dict[str, Any]:
+def cell(args: tuple[Cell, str, float, int, int, int, list[float], bool, float, int]) -> dict[str, Any]:
     """``rollouts`` whole rollouts of one scenario in one cell, each over its own simulated run
     (a random start into the trace); with ``windows``, every analysis window of every step's
-    layout is judged too (the share of Failed analyses)."""
-    where, scenario, rate, rollouts, seed0, shed_queue, table, windows, p99x15_scale = args
+    layout is judged too (the share of Failed analyses). The trail of every analysis is kept
+    for up to ``explain`` rollouts that missed (a good change not promoted, a bad one not
+    rolled back), with their seeds."""
+    where, scenario, rate, rollouts, seed0, shed_queue, table, windows, p99x15_scale, explain = args
     canary, scale, new_spec = canary_settings(scenario, shed_queue, where, p99x15_scale)
     old_spec = policy(8, 2, 512, cell=where)
     counts: dict[str, Any] = {
@@ -783,7 +818,13 @@ def cell(args: tuple[Cell, str, float, int, int, int, list[float], bool, float])
                         c["failed"] += a.outcome is Outcome.FAILED
                         c["inconclusive"] += a.outcome is Outcome.INCONCLUSIVE
                         end += w
-            c["rollouts"].append(rollout(rule, old_spec, new_spec, run, 10.0))
+            r = rollout(rule, old_spec, new_spec, run, 10.0)
+            trail = r.pop("trail")
+            if (r["outcome"] != "Promoted" if scenario in GOOD else r["outcome"] != "RolledBack") and (
+                len(c.setdefault("explained", [])) < explain
+            ):
+                c["explained"].append({"seed": seed, "outcome": r["outcome"], "trail": trail})
+            c["rollouts"].append(r)
     return {"cell": dataclasses.asdict(where), "scenario": scenario, "rate": rate, "counts": counts}
 
 
@@ -944,6 +985,9 @@ def main() -> int:
     p.add_argument("--duration", type=float, default=300.0, help="seconds of traffic per calibration run")
     p.add_argument("--rate", type=float, default=None, help="mean req/s at 4 replicas (default: calibrated per trace)")
     p.add_argument("--windows", action="store_true", help="also judge every window (the Failed-analysis share)")
+    p.add_argument(
+        "--explain", type=int, default=0, help="keep every analysis of up to N missed rollouts per cell (explained)"
+    )
     p.add_argument("--workers", type=int, default=2)
     p.add_argument("--confidence", type=float, default=None, help="rollout.confidence (default: the spec's)")
     p.add_argument(
@@ -1057,6 +1101,7 @@ def main() -> int:
                     table,
                     args.windows,
                     setup[where.trace].get("p99x1.5_model_scale", 1.5),
+                    args.explain,
                 )
             )
     rows = []
@@ -1071,8 +1116,11 @@ def main() -> int:
                     "rule": rule,
                     **summarize(res["counts"][rule], res["scenario"], 2),
                 }
+                if res["counts"][rule].get("explained"):
+                    row["explained"] = res["counts"][rule]["explained"]
                 rows.append(row)
-                print(f"[{time.time() - t0:.0f}s] {json.dumps(row)}", file=sys.stderr)
+                shown = {k: v for k, v in row.items() if k != "explained"}
+                print(f"[{time.time() - t0:.0f}s] {json.dumps(shown)}", file=sys.stderr)
     result = {
         "benchmark": "canary_eval",
         "when": datetime.now(UTC).strftime("%Y-%m-%dT%H:%M:%SZ"),
