@@ -17,6 +17,7 @@ from batchpilot_operator.analysis import (
     SLICES,
     TALLY_SLICES,
     AnalysisResult,
+    LaneVerdict,
     Measurement,
     MetricsBackend,
     Outcome,
@@ -611,6 +612,31 @@ def test_outliers_in_one_sub_window_are_one_cluster() -> None:
     # The same six outliers spread over the sub-windows would be a steady breach.
     spread = ((1.2, 24.0),) * 5
     assert judge(canary, stable, 0.95, spread, stable_slices).outcome is Outcome.FAILED
+
+
+def test_a_canary_far_worse_than_a_breaching_stable_holds_the_step_until_it_is_clear() -> None:
+    # On/off traffic, a model 20% slower (bench/canary_eval.py --explain, seed 10): 29% of the
+    # canary's requests over the SLO against 1.6% of the stable's, every one of them in the ON
+    # burst of one sub-window. One burst pins nothing on the canary (not clearly worse), but it
+    # is no burst both tracks saw alike either: the step is held, not passed, as a shared breach was.
+    canary_slices = ((619.0, 900.0), (0.0, 310.0), (0.0, 310.0), (0.0, 310.0), (0.0, 309.0))
+    stable_slices = ((33.0, 860.0), (0.0, 301.0), (0.0, 301.0), (0.0, 300.0), (0.0, 300.0))
+    q, ms = _measure(0.9, 2139.0, 619.0)
+    canary = check_metric(queries=q, metric="p99Latency", measurements=ms, threshold=0.2, min_samples=50)
+    sq, sms = _measure(0.25, 2062.0, 33.0)
+    stable = check_metric(queries=sq, metric="p99Latency", measurements=sms, threshold=0.2, min_samples=50)
+    judged = judge(canary, stable, 0.95, canary_slices, stable_slices)
+    assert judged.outcome is Outcome.INCONCLUSIVE, judged.describe()
+    assert judged.confidence_worse is not None and judged.confidence_worse < 0.95
+    assert not judged.shared_breach and "over 2x as bad, not clearly yet" in judged.describe()
+    verdict = LaneVerdict(lane="interactive", outcome=judged.outcome, canary=(judged,))
+    assert not verdict.passes_step and verdict.holds_step
+    # The same burst at under twice the stable's share is one both tracks saw: it passes.
+    near = ((50.0, 900.0), (0.0, 310.0), (0.0, 310.0), (0.0, 310.0), (0.0, 309.0))
+    q, ms = _measure(0.25, 2139.0, 50.0)
+    canary = check_metric(queries=q, metric="p99Latency", measurements=ms, threshold=0.2, min_samples=50)
+    shared = judge(canary, stable, 0.95, near, stable_slices)
+    assert shared.outcome is Outcome.INCONCLUSIVE and shared.shared_breach, shared.describe()
 
 
 @pytest.mark.parametrize("increase", [None, 0.25])

@@ -374,8 +374,23 @@ def judge(
         and not _clearly_under(stable_tally[0], stable_tally[1], canary.budget, confidence)
     )
     needs = f"needs {format_confidence(confidence)} confidence"
+    # Far worse by the point estimate, but not clearly (its bad events in few bursts, or too
+    # few windows yet): nothing a shared burst explains, so it holds the step instead of
+    # passing it. On on/off traffic a model 20% slower had 29% of its requests over the SLO
+    # against the stable's 1.6%, all in the one ON burst of the window; the sub-window test
+    # cannot pin one burst on it, the breach counted as shared, and a quiet window after it
+    # promoted the canary: 3 of the 8 in 100 simulated rollouts that promoted it (bench/canary_eval.py
+    # --explain; the other 5 met only quiet windows).
+    far_worse = k_c / n_c > SHARED_BREACH_RATIO * max(stable_share, canary.budget)
     if worse is None and over < confidence:
         note = f"a breach this thin is not conclusive ({needs})"
+    elif worse is not None and worse < confidence and at_budget and far_worse:
+        note = (
+            f"{format_share(k_c / n_c)} of the canary's requests against the stable track's "
+            f"{format_share(stable_share)}, which is at its budget too: over {SHARED_BREACH_RATIO:g}x as bad, "
+            f"not clearly yet ({needs}); "
+            "the step waits for windows that pin it on the canary or clear it"
+        )
     elif worse is not None and worse < confidence:
         if shared:
             note = "the stable track breaches too: not clearly the canary's doing"
@@ -409,7 +424,7 @@ def judge(
         stable=stable,
         tally=(k_c, n_c),
         stable_tally=stable_tally,
-        shared_breach=at_budget and worse is not None and worse < confidence,
+        shared_breach=at_budget and worse is not None and worse < confidence and not far_worse,
         burstiness=burstiness,
     )
 
