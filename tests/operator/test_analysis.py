@@ -594,6 +594,12 @@ def test_slice_counts_are_counter_differences_and_refuse_what_they_cannot_trust(
     assert key not in slice_counts(spec, [cq], reads)
 
 
+def _p99_check(value: float, samples: float, bad: float) -> Any:
+    """A window's p99 check (SLO 200 ms, minSamples 50) with ``bad`` of ``samples`` over it."""
+    q, ms = _measure(value, samples, bad)
+    return check_metric(queries=q, metric="p99Latency", measurements=ms, threshold=0.2, min_samples=50)
+
+
 def test_outliers_in_one_sub_window_are_one_cluster() -> None:
     # Six requests of 120 over the SLO, none of 900 on the stable. Taken as independent
     # requests Fisher's test says the canary is worse (and over its 1% budget) with >99.9%
@@ -601,10 +607,7 @@ def test_outliers_in_one_sub_window_are_one_cluster() -> None:
     # not proof.
     canary_slices = ((6.0, 24.0), (0.0, 24.0), (0.0, 24.0), (0.0, 24.0), (0.0, 24.0))
     stable_slices = ((0.0, 180.0),) * 5
-    q, ms = _measure(0.25, 120.0, 6.0)
-    canary = check_metric(queries=q, metric="p99Latency", measurements=ms, threshold=0.2, min_samples=50)
-    sq, sms = _measure(0.1, 900.0, 0.0)
-    stable = check_metric(queries=sq, metric="p99Latency", measurements=sms, threshold=0.2, min_samples=50)
+    canary, stable = _p99_check(0.25, 120.0, 6.0), _p99_check(0.1, 900.0, 0.0)
     judged = judge(canary, stable, 0.95, canary_slices, stable_slices)
     assert judged.outcome is Outcome.INCONCLUSIVE, judged.describe()
     assert judged.confidence_worse is not None and judged.confidence_worse < 0.9
@@ -621,10 +624,7 @@ def test_a_canary_far_worse_than_a_breaching_stable_holds_the_step_until_it_is_c
     # is no burst both tracks saw alike either: the step is held, not passed, as a shared breach was.
     canary_slices = ((619.0, 900.0), (0.0, 310.0), (0.0, 310.0), (0.0, 310.0), (0.0, 309.0))
     stable_slices = ((33.0, 860.0), (0.0, 301.0), (0.0, 301.0), (0.0, 300.0), (0.0, 300.0))
-    q, ms = _measure(0.9, 2139.0, 619.0)
-    canary = check_metric(queries=q, metric="p99Latency", measurements=ms, threshold=0.2, min_samples=50)
-    sq, sms = _measure(0.25, 2062.0, 33.0)
-    stable = check_metric(queries=sq, metric="p99Latency", measurements=sms, threshold=0.2, min_samples=50)
+    canary, stable = _p99_check(0.9, 2139.0, 619.0), _p99_check(0.25, 2062.0, 33.0)
     judged = judge(canary, stable, 0.95, canary_slices, stable_slices)
     assert judged.outcome is Outcome.INCONCLUSIVE, judged.describe()
     assert judged.confidence_worse is not None and judged.confidence_worse < 0.95
@@ -633,9 +633,7 @@ def test_a_canary_far_worse_than_a_breaching_stable_holds_the_step_until_it_is_c
     assert not verdict.passes_step and verdict.holds_step
     # The same burst at under twice the stable's share is one both tracks saw: it passes.
     near = ((50.0, 900.0), (0.0, 310.0), (0.0, 310.0), (0.0, 310.0), (0.0, 309.0))
-    q, ms = _measure(0.25, 2139.0, 50.0)
-    canary = check_metric(queries=q, metric="p99Latency", measurements=ms, threshold=0.2, min_samples=50)
-    shared = judge(canary, stable, 0.95, near, stable_slices)
+    shared = judge(_p99_check(0.25, 2139.0, 50.0), stable, 0.95, near, stable_slices)
     assert shared.outcome is Outcome.INCONCLUSIVE and shared.shared_breach, shared.describe()
 
 

@@ -383,10 +383,14 @@ def test_settings_stale_is_raised_when_the_traffic_surges(setup: Setup) -> None:
     window = WINDOW
     start_policy(s, tuning={"interval": "10s", "window": f"{window:g}s", "growth": 1, "margin": 0.2})
 
+    def after(rec: Any, t: float) -> bool:
+        """``rec`` is a recommendation whose whole window lies after ``t``."""
+        return bool(rec) and _t(rec["time"]) > t + window + 1
+
     def judged_after(t: float) -> Any:
         """The first recommendation whose whole window lies after ``t``."""
         rec = s.status().get("recommendation")
-        return rec if rec and _t(rec["time"]) > t + window + 1 else None
+        return rec if after(rec, t) else None
 
     def condition() -> dict[str, Any]:
         return next(c for c in s.status()["conditions"] if c["type"] == "SettingsStale")
@@ -398,9 +402,9 @@ def test_settings_stale_is_raised_when_the_traffic_surges(setup: Setup) -> None:
         """The first recommendation over the normal traffic whose window the sender kept up with:
         a loaded machine's load generator that falls behind and catches up sends bursts the
         trace does not have, and a p99 here is set by one burst (see SLICE)."""
-        rec = s.status().get("recommendation")
-        if not rec or _t(rec["time"]) <= since[0] + window + 1:
-            last_seen[0] = rec and rec["time"]
+        rec: Any = s.status().get("recommendation")
+        if not after(rec, since[0]):
+            last_seen[0] = rec["time"] if rec else None
             return None
         end = _t(rec["time"])
         lagged = [(at, lag) for at, lag in list(replay.late) if end - window <= at <= end and lag > tolerable]
