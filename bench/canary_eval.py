@@ -132,6 +132,9 @@ ROUTINGS = ("ratio", "gateway")
 """``ratio``: the default, each step's weight as a share of the pods (every pod an equal share of
 the requests); ``gateway``: weights set exactly on a Gateway API route, steps 10/25/50 and
 minCanaryLoadRatio 0.5 as the shipped example (manifests/examples/gateway-canary.yaml)."""
+ROUTING_CHOICES = (*ROUTINGS, "gateway-dss")
+"""``gateway-dss`` (only where ``--routings`` names it): ``gateway`` with
+``trafficRouting.dynamicStableScale``, the stable scaled to its share of the route."""
 
 
 @dataclass(frozen=True)
@@ -164,9 +167,11 @@ def policy(
         "minSamples": 100,
         "maxInconclusive": 10,
     }
-    if cell.routing == "gateway":
+    if cell.routing in ("gateway", "gateway-dss"):
         rollout["steps"] = [{"weight": w, "pause": "20s"} for w in (10, 25, 50)]
         rollout["trafficRouting"] = {"gatewayAPI": {"httpRoute": "r", "rule": "infer"}, "minCanaryLoadRatio": 0.5}
+        if cell.routing == "gateway-dss":
+            rollout["trafficRouting"]["dynamicStableScale"] = True
     if last_pause := os.environ.get("CANARY_EVAL_LAST_PAUSE"):
         rollout["steps"][-1]["pause"] = f"{float(last_pause):g}s"
     if interval := os.environ.get("CANARY_EVAL_INTERVAL"):
@@ -979,7 +984,7 @@ def main() -> int:
     p.add_argument("--rollouts", type=int, default=100, help="whole rollouts per (cell, scenario)")
     p.add_argument("--traces", default="code,conversation,poisson,onoff")
     p.add_argument("--replicas", default="2,4")
-    p.add_argument("--routings", default=",".join(ROUTINGS))
+    p.add_argument("--routings", default=",".join(ROUTINGS), help=f"of {','.join(ROUTING_CHOICES)}")
     p.add_argument("--tenants", choices=["off", "on", "both"], default="off", help="judge 8 tenant slices too")
     p.add_argument("--scenarios", default=",".join(DEFAULT_SCENARIOS), help=f"of {','.join(SCENARIOS)}")
     p.add_argument("--duration", type=float, default=300.0, help="seconds of traffic per calibration run")
@@ -1137,7 +1142,7 @@ def main() -> int:
                 routing: policy(8, 2, 512, cell=Cell("code", routing=routing)).rollout.model_dump(
                     mode="json", by_alias=True, exclude_none=True
                 )
-                for routing in ROUTINGS
+                for routing in ROUTING_CHOICES
             },
             "tenants": list(TENANT_LABELS) if args.tenants != "off" else None,
             "max_p99_increase": args.max_p99_increase,

@@ -83,7 +83,9 @@ def observe_track(deployment: Manifest | None) -> TrackObserved | None:
     labels = spec.get("template", {}).get("metadata", {}).get("labels", {})
     current = status.get("observedGeneration", 0) >= deployment["metadata"].get("generation", 0)
     ready = new_ready_replicas(status) if current else 0
-    return TrackObserved(revision=labels.get(LABEL_REVISION), replicas=spec.get("replicas", 0), ready_replicas=ready)
+    return TrackObserved(
+        revision=labels.get(LABEL_REVISION), replicas=spec.get("replicas", 0), ready_replicas=ready, settled=current
+    )
 
 
 def invalid_spec_status(body: dict[str, Any], error: ValidationError, now: datetime) -> dict[str, Any]:

@@ -83,15 +83,20 @@ def underfed(canary_rate: float | None, stable_rate: float | None, min_ratio: fl
     return (canary_rate or 0.0) < min_ratio * stable_rate
 
 
-def planned_load_ratio(replicas: int, weight: int) -> float:
+def planned_load_ratio(replicas: int, weight: int, dynamic_stable: bool = False) -> float:
     """A canary pod's planned share of the traffic over a stable pod's at ``weight``, with the
     pods :func:`traffic.split_for_routing` gives each track (header traffic aside)."""
     if weight <= 0:
         return 0.0
     if weight >= 100:
         return 1.0
-    stable, canary = traffic.split_for_routing(replicas, weight)
+    stable, canary = traffic.split_for_routing(replicas, weight, dynamic_stable)
     return (weight / canary) / ((100 - weight) / stable)
+
+
+def step_load_ratio(spec: PolicySpec, weight: int) -> float:
+    """:func:`planned_load_ratio` of ``spec``'s replicas and routing at ``weight``."""
+    return planned_load_ratio(spec.replicas, weight, traffic.scales_stable(spec))
 
 
 ALIKE_LOAD_SPREAD = 1.25
@@ -105,8 +110,8 @@ def fed_alike(spec: PolicySpec, weight: int, other: int) -> bool:
     route: every pod then gets the same share."""
     if spec.rollout.traffic_routing is None:
         return True
-    a = planned_load_ratio(spec.replicas, weight)
-    b = planned_load_ratio(spec.replicas, other)
+    a = step_load_ratio(spec, weight)
+    b = step_load_ratio(spec, other)
     return min(a, b) > 0 and max(a, b) / min(a, b) <= ALIKE_LOAD_SPREAD
 
 
@@ -130,7 +135,7 @@ def unlike_load(spec: PolicySpec, step_index: int) -> str | None:
     weight = steps[step_index].weight
     if alike(weight):
         return None
-    ratio = planned_load_ratio(spec.replicas, weight)
+    ratio = step_load_ratio(spec, weight)
     why = (
         f"not compared with the stable's p99 at step {step_index + 1} ({weight}%): a canary pod is fed {ratio:.2f}x"
         " a stable pod's load, and a batching server's p99 depends on its load"
@@ -160,21 +165,17 @@ def gating_analyses(spec: PolicySpec) -> int:
     return max(1, min(TALLY_ANALYSES, count))
 
 
-def fed_weight(replicas: int, min_ratio: float) -> int:
+def fed_weight(replicas: int, min_ratio: float, dynamic_stable: bool = False) -> int:
     """The smallest weight whose planned split feeds a canary pod ``min_ratio`` of a stable
     pod's rate (100 always does: both tracks serve all of it)."""
-    return next((w for w in range(1, 100) if planned_load_ratio(replicas, w) >= min_ratio), 100)
+    return next((w for w in range(1, 100) if planned_load_ratio(replicas, w, dynamic_stable) >= min_ratio), 100)
 
 
 def comparable_step_after(spec: PolicySpec, step_index: int, min_ratio: float) -> int | None:
     """The first step after ``step_index`` whose weight feeds the canary comparably, if any."""
     steps = spec.rollout.steps
     return next(
-        (
-            i
-            for i in range(step_index + 1, len(steps))
-            if planned_load_ratio(spec.replicas, steps[i].weight) >= min_ratio
-        ),
+        (i for i in range(step_index + 1, len(steps)) if step_load_ratio(spec, steps[i].weight) >= min_ratio),
         None,
     )
 
@@ -242,7 +243,7 @@ def judge_load(
             f" that gates the promotion is step {later + 1} ({steps[later].weight}%)",
         )
         return result
-    need = fed_weight(spec.replicas, min_ratio)
+    need = fed_weight(spec.replicas, min_ratio, traffic.scales_stable(spec))
     note = (
         f"{fed}, and no later step feeds it: this analysis cannot pass the step. To go on, give this step a"
         f" weight of at least {need}% (with {spec.replicas} replicas), add replicas, send the canary header"

@@ -457,6 +457,16 @@ class TrafficRouting(_Spec):
             " (its batches would be smaller, its latency optimistic): such an analysis is Inconclusive"
         ),
     )
+    dynamic_stable_scale: bool = Field(
+        default=False,
+        alias="dynamicStableScale",
+        description=(
+            "scale the stable down as the canary's weight rises (ceil(replicas x (100 - weight) / 100) pods,"
+            " once the route is seen sending the canary that weight), so every pod of both tracks carries"
+            " about a promoted pod's load; a rollback or abort then keeps weight on the canary until the"
+            " stable's pods are ready again"
+        ),
+    )
 
 
 RolloutSpec.model_rebuild()

@@ -10,13 +10,21 @@ the step's weight exactly. Three functions decide it; ``controller`` carries the
   canary gets ``round(replicas * w / (100 - w))`` pods (at least 1, at most ``replicas``): the
   count at which a canary pod's share ``w / c`` equals a stable pod's ``(100 - w) / replicas``,
   so its per-pod arrival rate is as close to the stable's as whole pods allow (``fairness``
-  judges what remains).
+  judges what remains). With ``dynamicStableScale`` (Argo Rollouts' field of that name) the
+  stable gives up pods as the weight rises: ``ceil(replicas * (100 - w) / 100)`` (at least 1),
+  and the canary gets ``round(stable * w / (100 - w))`` beside it, so every pod of both tracks
+  carries about a promoted pod's load (at 50% of 2 replicas, 1 pod each at 50%, where without
+  it 2 + 2 pods each carry 25%: a canary that never meets a promoted pod's load cannot show a
+  regression that only that load brings out). The stable is scaled down only for the weight
+  the route is *seen* sending the canary (``rollout.finish``), never ahead of it.
 * :func:`desired_route`: the weight to write now, from the status the planner decided and the
   observed Deployments and route. The order never drops a request: a weight moves to the
   canary only once the canary's pods of that step are ready (until then it keeps the weight
   it had, or 0 for a new revision); a rollback, abort or supersede sets it to 0 at once, and
   the canary Deployment goes only when the route is *observed* at 0, and then only after
-  ``rollout.ROUTE_DRAIN_SECONDS`` more (the data plane follows the route a moment later); a promotion keeps the last weight on the canary (which runs the
+  ``rollout.ROUTE_DRAIN_SECONDS`` more (the data plane follows the route a moment later); with
+  ``dynamicStableScale`` the weight leaves the canary only as fast as the stable's ready pods
+  can take it back (``RouteInputs.stable_capacity``); a promotion keeps the last weight on the canary (which runs the
   new revision), and the header rule with it, until the stable runs it with every pod ready,
   then moves 100% to the stable and drops the header rule in one write, and the canary goes
   once the route shows neither.
@@ -50,8 +58,9 @@ def track_service_name(policy: str, track: str) -> str:
     return f"{policy}-{track}"
 
 
-def split_for_routing(total: int, weight: int) -> tuple[int, int]:
-    """(stable, canary) replicas for a canary weight under traffic routing."""
+def split_for_routing(total: int, weight: int, dynamic_stable: bool = False) -> tuple[int, int]:
+    """(stable, canary) replicas for a canary weight under traffic routing (``dynamic_stable``:
+    the stable scaled to its share, ``dynamicStableScale``)."""
     if total < 1:
         raise ValueError(f"total replicas must be >= 1, got {total}")
     if not 0 <= weight <= 100:
@@ -60,7 +69,27 @@ def split_for_routing(total: int, weight: int) -> tuple[int, int]:
         return total, 0
     if weight >= 100:
         return total, total
-    return total, max(1, min(total, math.floor(total * weight / (100 - weight) + 0.5)))
+    stable = dynamic_stable_replicas(total, weight) if dynamic_stable else total
+    return stable, max(1, min(total, math.floor(stable * weight / (100 - weight) + 0.5)))
+
+
+def scales_stable(spec: PolicySpec) -> bool:
+    """Whether the stable is scaled to its share of the route (``dynamicStableScale``)."""
+    return spec.rollout.traffic_routing is not None and spec.rollout.traffic_routing.dynamic_stable_scale
+
+
+def dynamic_stable_replicas(total: int, weight: int) -> int:
+    """The stable's pods under ``dynamicStableScale`` while the route sends the canary ``weight``
+    percent: enough that none carries more than a promoted pod's share (``100 / total``)."""
+    if weight <= 0:
+        return total
+    return max(1, math.ceil(total * (100 - min(weight, 100)) / 100))
+
+
+def stable_capacity(total: int, ready: int) -> int:
+    """The share of the traffic (percent) that ``ready`` stable pods take at a promoted pod's load
+    each: under ``dynamicStableScale`` the weight leaves the canary no faster than this grows."""
+    return min(100, math.floor(100 * max(0, ready) / total))
 
 
 @dataclass(frozen=True)
@@ -100,10 +129,23 @@ class RouteInputs:
     previous_step_weight: int = 0
     canary_revision: str | None = None
     """Revision of the canary Deployment's pod template, ready or not (None: no Deployment)."""
+    stable_capacity: int = 100
+    """The share (percent) the stable's ready pods can take (:func:`stable_capacity`); under 100
+    only with ``dynamicStableScale``, where the weight leaves the canary no faster than this."""
 
 
 def desired_route(inputs: RouteInputs) -> RouteTarget:
     """The weights to write now (see the module doc for the order of operations)."""
+    target = _desired_route(inputs)
+    current = inputs.observed.canary_weight if inputs.observed is not None else 0
+    floor = min(current, 100 - inputs.stable_capacity)
+    if target.canary_weight < floor:
+        # dynamicStableScale: the stable scaled down for this weight is still coming back up.
+        return RouteTarget(canary_weight=floor, header=target.header)
+    return target
+
+
+def _desired_route(inputs: RouteInputs) -> RouteTarget:
     current = inputs.observed.canary_weight if inputs.observed is not None else 0
     if inputs.rollout_revision is None:
         if inputs.promoting:

@@ -128,7 +128,11 @@ class World:
 
     def observed(self) -> Observed:
         def obs(t: Track) -> TrackObserved | None:
-            return None if t.revision is None else TrackObserved(t.revision, t.replicas, 0 if t.lagging else t.ready)
+            return (
+                None
+                if t.revision is None
+                else TrackObserved(t.revision, t.replicas, 0 if t.lagging else t.ready, settled=not t.lagging)
+            )
 
         return Observed(stable=obs(self.stable), canary=obs(self.canary), route=self.route)
 
@@ -226,6 +230,15 @@ def check_invariants(observed: Observed, d: Decision, s: PolicySpec) -> None:
             observed,
         )
     os = observed.stable
+    routing = s.rollout.traffic_routing
+    if routing is not None and routing.dynamic_stable_scale and observed.route is not None:
+        seen, new = observed.route.canary_weight, d.route.canary_weight
+        # dynamicStableScale: the stable keeps the pods for its share of the route, as read and
+        # as written (no pod carries more than a promoted pod's share while the data plane follows) ...
+        assert d.stable_replicas * 100 >= s.replicas * (100 - min(seen, new)), ("stable scaled ahead", observed, d)
+        if new < seen and os is not None and os.revision == d.stable_revision:
+            # ... and weight leaves the canary only onto ready stable pods
+            assert os.ready_replicas * 100 >= s.replicas * (100 - new), ("weight back before the stable", observed, d)
     promoted = d.status.rollout is None and d.status.history and d.status.history[-1].outcome == "Promoted"
     if promoted and d.route.canary_weight == 0 and observed.route is not None and observed.route.canary_weight > 0:
         assert os is not None and os.revision == d.stable_revision and os.ready_replicas >= s.replicas
@@ -245,6 +258,85 @@ def test_split_for_routing() -> None:
     assert split_for_routing(5, 0) == (5, 0)
     with pytest.raises(ValueError):
         split_for_routing(0, 10)
+
+
+def test_dynamic_stable_scale_gives_every_pod_a_promoted_pods_load() -> None:
+    # ceil(N (100 - w) / 100) stable pods and the canary's beside them at a stable pod's rate
+    assert split_for_routing(2, 10, dynamic_stable=True) == (2, 1)
+    assert split_for_routing(2, 25, dynamic_stable=True) == (2, 1)
+    assert split_for_routing(2, 50, dynamic_stable=True) == (1, 1)  # without it 2 + 2 at 25% each
+    assert split_for_routing(4, 50, dynamic_stable=True) == (2, 2)
+    assert split_for_routing(4, 25, dynamic_stable=True) == (3, 1)
+    assert split_for_routing(10, 25, dynamic_stable=True) == (8, 3)
+    assert split_for_routing(3, 90, dynamic_stable=True) == (1, 3)
+    assert split_for_routing(5, 0, dynamic_stable=True) == (5, 0)
+    for replicas in (1, 2, 3, 4, 10):
+        for weight in range(1, 100):
+            stable, canary = split_for_routing(replicas, weight, dynamic_stable=True)
+            assert 1 <= stable <= replicas and 1 <= canary <= replicas
+            assert stable * 100 >= replicas * (100 - weight), "no stable pod over a promoted pod's share"
+    assert planned_load_ratio(2, 50, dynamic_stable=True) == 1.0
+
+
+def dynamic_spec(lane_window: str = "5ms") -> PolicySpec:
+    return spec(lane_window=lane_window, dynamicStableScale=True)
+
+
+def test_dynamic_stable_scale_scales_the_stable_only_behind_the_route() -> None:
+    # 2 replicas, 10 / 25 / 50: the 50% step runs 1 stable + 1 canary pod, each at 50% of the
+    # traffic as a promoted pod would be; the stable gives up its pod only once the route is
+    # seen at 50% (check_invariants asserts it at every decision), and the promotion brings it
+    # back to 2 pods of the new revision before the weight leaves the canary.
+    w = healthy_world(dynamic_spec())
+    w.spec = dynamic_spec(lane_window="6ms")
+    pods: list[tuple[int, int, int]] = []
+    for _ in range(400):
+        d = w.tick()
+        assert d.route is not None
+        if not pods or pods[-1] != (d.route.canary_weight, d.stable_replicas, d.canary_replicas):
+            pods.append((d.route.canary_weight, d.stable_replicas, d.canary_replicas))
+        if d.status.phase is Phase.HEALTHY and w.canary.revision is None:
+            break
+    assert (50, 1, 1) in pods, pods
+    at_50 = pods.index((50, 1, 1))
+    assert pods[at_50 - 1][:2] == (50, 2), "the route moves first, then the stable follows"
+    assert pods[-1] == (0, 2, 0) and d.status.history[-1].outcome == "Promoted"
+    # a stable scaled for its share is not a stable short of pods, even while its Deployment's
+    # status lags the scale (the world's `lagging` tick)
+    degraded = [c for _, dec in w.decisions if (c := dec.status.condition("Degraded")) and c.status == "True"]
+    assert not degraded, degraded[0]
+
+
+def test_dynamic_stable_scale_keeps_weight_on_the_canary_until_the_stable_is_back() -> None:
+    w = healthy_world(dynamic_spec())
+    w.spec = dynamic_spec(lane_window="6ms")
+    w.run_until(lambda d: d.route is not None and d.route.canary_weight == 50 and d.stable_replicas == 1)
+    w.tick()  # the stable's second pod is gone
+    assert w.stable.replicas == 1
+    rolled = w.run_until(lambda d: d.status.phase is Phase.ROLLED_BACK, p99=1.0)
+    # the rollback asks for the stable's pods back at once, and the canary keeps its weight:
+    # one stable pod cannot take 100% at a promoted pod's load
+    assert rolled.stable_replicas == 2 and rolled.route is not None and rolled.route.canary_weight == 50
+    back = w.run_until(lambda d: d.route is not None and d.route.canary_weight == 0)
+    assert w.stable.ready == 2 and back.status.phase is Phase.ROLLED_BACK
+    gone = w.run_until(lambda d: d.canary_replicas == 0, limit=int(ROUTE_DRAIN_SECONDS / 5) + 2)
+    assert gone.stable_replicas == 2
+
+
+def test_dynamic_stable_scale_superseded_at_50_percent_brings_the_stable_back_first() -> None:
+    # A newer revision replaces the canary while the stable runs 1 of 2 pods: the weight stays
+    # on the old canary's pods until the stable's are back (check_invariants at every decision),
+    # then the new canary starts from its first step and is promoted.
+    w = healthy_world(dynamic_spec())
+    w.spec = dynamic_spec(lane_window="6ms")
+    w.run_until(lambda d: d.route is not None and d.route.canary_weight == 50 and d.stable_replicas == 1)
+    w.tick()
+    w.spec = dynamic_spec(lane_window="7ms")
+    newest = w.spec.revision()
+    superseded = w.tick()
+    assert superseded.stable_replicas == 2 and superseded.route is not None and superseded.route.canary_weight == 50
+    d = w.run_until(lambda d: d.status.stable_revision == newest and w.canary.revision is None, limit=400)
+    assert d.status.history[-1].outcome == "Promoted" and d.stable_replicas == 2
 
 
 def healthy_world(s: PolicySpec) -> World:

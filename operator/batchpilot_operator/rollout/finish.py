@@ -11,7 +11,14 @@ from batchpilot_operator.rollout.inputs import POLL_SECONDS, ROUTE_DRAIN_SECONDS
 from batchpilot_operator.rollout.schedule import next_analysis_at, percent, split_for
 from batchpilot_operator.rollout.state import PlanState, ts
 from batchpilot_operator.status import ConditionStatus, ConditionType, Phase
-from batchpilot_operator.traffic import RouteInputs, RouteTarget, desired_route
+from batchpilot_operator.traffic import (
+    RouteInputs,
+    RouteTarget,
+    desired_route,
+    dynamic_stable_replicas,
+    scales_stable,
+    stable_capacity,
+)
 
 
 def finish(p: PlanState) -> Decision:
@@ -30,9 +37,15 @@ def finish(p: PlanState) -> Decision:
         max(observed.route.canary_weight, 1 if observed.route.header_rule else 0) if observed.route is not None else 0
     )
     canary_rev: str | None = None
+    dynamic = scales_stable(spec)
     if r is not None:
         split = split_for(spec, r.step_weight)
         stable_replicas, canary_replicas, canary_rev = split.stable, split.canary, r.revision
+        if dynamic:
+            # The stable gives up pods only for the weight the route is seen to send the canary:
+            # a step's weight moves once its canary pods are ready, and the stable follows.
+            seen = observed.route.canary_weight if observed.route is not None else 0
+            stable_replicas = dynamic_stable_replicas(spec.replicas, min(r.step_weight, seen))
         st.current_step_index = r.step_index
         st.step_count = len(spec.rollout.steps)
         st.step_weight = r.step_weight
@@ -79,6 +92,7 @@ def finish(p: PlanState) -> Decision:
                 previous_step_weight=(
                     spec.rollout.steps[r.step_index - 1].weight if r is not None and r.step_index > 0 else 0
                 ),
+                stable_capacity=stable_capacity(spec.replicas, stable_ready) if dynamic else 100,
             )
         )
         st.canary_weight = route.canary_weight
@@ -202,7 +216,8 @@ def set_degraded(p: PlanState, stable_rev: str, stable_replicas: int, finishing:
     """The Degraded condition: the stable track runs fewer ready pods than it should.
 
     Judged on the stable Deployment as observed, once it runs the stable revision at the
-    replicas it should (a scale-up or a promotion still rolling is not a loss). The
+    replicas it should and its controller has caught up with that (a scale, as
+    ``dynamicStableScale`` makes at every step, or a promotion still rolling is not a loss). The
     pods' reasons (node lost, unschedulable) come from :attr:`PlanInputs.pod_trouble`;
     a Warning event marks the transition when a reason is known.
     """
@@ -214,6 +229,7 @@ def set_degraded(p: PlanState, stable_rev: str, stable_replicas: int, finishing:
         and obs is not None
         and obs.revision == stable_rev
         and obs.replicas == stable_replicas
+        and obs.settled
         and obs.ready_replicas < stable_replicas
     )
     if not short:

@@ -49,6 +49,10 @@ class TrackObserved:
     revision: str | None
     replicas: int = 0
     ready_replicas: int = 0
+    settled: bool = True
+    """Its controller has observed the current generation: False for a moment after every
+    scale or template change, when ``ready_replicas`` reads 0 (safe for the route) and says
+    nothing of a loss (``Degraded`` waits for it)."""
 
 
 @dataclass(frozen=True)

@@ -10,7 +10,7 @@ from datetime import datetime, timedelta
 from batchpilot_operator.rollout.inputs import Observed
 from batchpilot_operator.spec import PolicySpec
 from batchpilot_operator.status import RolloutState, Status
-from batchpilot_operator.traffic import split_for_routing
+from batchpilot_operator.traffic import scales_stable, split_for_routing
 
 
 @dataclass(frozen=True)
@@ -38,10 +38,11 @@ def split_replicas(total: int, weight: int) -> ReplicaSplit:
 
 def split_for(spec: PolicySpec, weight: int) -> ReplicaSplit:
     """Replicas per track for a step weight: the pod ratio, or under trafficRouting the
-    weight set on the route exactly (``traffic.split_for_routing``)."""
+    weight set on the route exactly (``traffic.split_for_routing``; with ``dynamicStableScale``
+    the stable's count is for the weight the route is seen to send, ``rollout.finish``)."""
     if spec.rollout.traffic_routing is None:
         return split_replicas(spec.replicas, weight)
-    stable, canary = split_for_routing(spec.replicas, weight)
+    stable, canary = split_for_routing(spec.replicas, weight, scales_stable(spec))
     return ReplicaSplit(stable=stable, canary=canary, effective_weight=weight)
 
 
