@@ -148,6 +148,11 @@ INVALID_TYPES: list[tuple[str, Callable[[dict[str, Any]], None], str]] = [
     ("type-history-limit-bool", _set("rollout.historyLimit", False), "historyLimit"),
     ("type-p99-increase-quoted", _set("rollout.maxP99Increase", "0.25"), "maxP99Increase"),
     (
+        "type-dynamic-stable-scale-quoted",
+        _set("rollout.trafficRouting", {"gatewayAPI": {"httpRoute": "r"}, "dynamicStableScale": "true"}),
+        "dynamicStableScale",
+    ),
+    (
         "type-toleration-seconds-quoted",
         _set("tolerations", [{"key": "k", "tolerationSeconds": "5"}]),
         "tolerationSeconds",
