@@ -36,6 +36,90 @@ DEFAULT_BIN_DIR = REPO_ROOT / ".cache" / "k8s-bin"
 POD_ROUTES = "pod-routes"
 """Directory (next to the kubeconfig) of the pod network's routes: see localdev/podnet.py."""
 BINARIES = ("etcd", "kube-apiserver", "kube-controller-manager", "kube-scheduler", "kubectl", "kwok")
+
+SERVING_ANNOTATION = "batchpilot.dev/serving"
+"""Set to ``"true"`` on a pod by the runtime harness once the pod's process answers its
+readiness endpoint: with ``LocalCluster.start(ready_when_serving=True)`` kwok reports the pod
+Ready only then, as a kubelet's readiness probe would."""
+
+SERVING_STAGES = """\
+# kwok's pod lifecycle with a readiness probe: Running with an IP at once, Ready only once the
+# runtime harness marks the pod serving (kwok's own fast stages make every pod Ready at once).
+apiVersion: kwok.x-k8s.io/v1alpha1
+kind: Stage
+metadata:
+  name: pod-running
+spec:
+  resourceRef: {apiGroup: v1, kind: Pod}
+  selector:
+    matchExpressions:
+    - {key: '.metadata.deletionTimestamp', operator: 'DoesNotExist'}
+    - {key: '.status.podIP', operator: 'DoesNotExist'}
+  next:
+    statusTemplate: |
+      {{ $now := Now }}
+      conditions:
+      - {lastTransitionTime: {{ $now | Quote }}, status: "True", type: Initialized}
+      - {lastTransitionTime: {{ $now | Quote }}, status: "False", type: Ready, reason: NotServing}
+      - {lastTransitionTime: {{ $now | Quote }}, status: "False", type: ContainersReady, reason: NotServing}
+      containerStatuses:
+      {{ range .spec.containers }}
+      - image: {{ .image | Quote }}
+        name: {{ .name | Quote }}
+        ready: false
+        restartCount: 0
+        started: true
+        state:
+          running:
+            startedAt: {{ $now | Quote }}
+      {{ end }}
+      hostIP: {{ NodeIPWith .spec.nodeName | Quote }}
+      podIP: {{ PodIPWith .spec.nodeName ( or .spec.hostNetwork false ) ( or .metadata.uid "" ) ( or .metadata.name "" ) ( or .metadata.namespace "" ) | Quote }}
+      phase: Running
+      startTime: {{ $now | Quote }}
+---
+apiVersion: kwok.x-k8s.io/v1alpha1
+kind: Stage
+metadata:
+  name: pod-serving
+spec:
+  resourceRef: {apiGroup: v1, kind: Pod}
+  selector:
+    matchExpressions:
+    - {key: '.metadata.deletionTimestamp', operator: 'DoesNotExist'}
+    - {key: '.metadata.annotations["batchpilot.dev/serving"]', operator: 'In', values: ['true']}
+    - {key: '.status.conditions.[] | select( .type == "Ready" ) | .status', operator: 'In', values: ['False']}
+  next:
+    statusTemplate: |
+      {{ $now := Now }}
+      conditions:
+      - {lastTransitionTime: {{ $now | Quote }}, status: "True", type: Ready}
+      - {lastTransitionTime: {{ $now | Quote }}, status: "True", type: ContainersReady}
+      containerStatuses:
+      {{ range .spec.containers }}
+      - image: {{ .image | Quote }}
+        name: {{ .name | Quote }}
+        ready: true
+        restartCount: 0
+        started: true
+        state:
+          running:
+            startedAt: {{ $now | Quote }}
+      {{ end }}
+---
+apiVersion: kwok.x-k8s.io/v1alpha1
+kind: Stage
+metadata:
+  name: pod-delete
+spec:
+  resourceRef: {apiGroup: v1, kind: Pod}
+  selector:
+    matchExpressions:
+    - {key: '.metadata.deletionTimestamp', operator: 'Exists'}
+  next:
+    finalizers: {empty: true}
+    delete: true
+"""
 ADMIN_TOKEN = "batchpilot-local-admin-token"
 CONTROLLERS = ",".join(
     [
@@ -178,6 +262,7 @@ class LocalCluster:
         node_monitor_grace_period: int | None = None,
         node_lease_seconds: int = 40,
         service_cidr: str = "198.19.0.0/16",
+        ready_when_serving: bool = False,
     ) -> LocalCluster:
         """``audit``: the apiserver writes an audit log (metadata of every request: user agent,
         verb, resource, namespace) to :attr:`audit_log`, to count a client's requests.
@@ -187,7 +272,10 @@ class LocalCluster:
         and ``node_lease_seconds``: how soon a node kwok stops heart-beating goes NotReady (the
         node-loss drill; the defaults are Kubernetes' and kwok's). ``service_cidr``: where Service
         cluster IPs come from (198.19.0.0/16 of the test networks' 198.18.0.0/15, never 10.x;
-        nothing routes them: there is no kube-proxy)."""
+        nothing routes them: there is no kube-proxy). ``ready_when_serving``: a pod runs (its IP,
+        phase Running) at once but is Ready only once annotated :data:`SERVING_ANNOTATION`
+        ``"true"``, which the runtime harness does when the pod's process answers its readiness
+        endpoint (a kubelet's readiness probe); otherwise kwok reports every pod Ready at once."""
         directory = ensure_binaries()
         t0 = time.monotonic()
         workdir = cls._fresh_workdir(workdir)
@@ -202,7 +290,7 @@ class LocalCluster:
             cluster._start_apiserver(api_port, etcd_port, service_cidr, audit_args)
             cluster.wait_ready(timeout)
             cluster._start_controllers(controller_qps, node_monitor_grace_period)
-            cluster._start_kwok(pod_cidr, node_lease_seconds)
+            cluster._start_kwok(pod_cidr, node_lease_seconds, ready_when_serving)
             cluster._add_gpu_nodes(gpu_nodes, gpus_per_node, pods_per_node, timeout)
         except BaseException:
             cluster.stop()
@@ -353,10 +441,16 @@ class LocalCluster:
                 ],
             )
 
-    def _start_kwok(self, pod_cidr: str, node_lease_seconds: int) -> None:
+    def _start_kwok(self, pod_cidr: str, node_lease_seconds: int, ready_when_serving: bool = False) -> None:
+        stages: list[str] = []
+        if ready_when_serving:
+            path = self.workdir / "kwok-stages.yaml"
+            path.write_text(SERVING_STAGES)
+            stages = [f"--config={path}"]
         self._spawn(
             "kwok",
             [
+                *stages,
                 f"--kubeconfig={self.kubeconfig}",
                 "--manage-all-nodes=false",
                 "--manage-nodes-with-annotation-selector=kwok.x-k8s.io/node=fake",

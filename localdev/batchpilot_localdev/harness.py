@@ -6,7 +6,11 @@ starts ``python -m batchpilot_runtime.server`` with that pod's revision config (
 ConfigMap the pod mounts) and track, and registers it as a target of the local Prometheus (file_sd)
 labelled like the pod would be by the PodMonitor: ``namespace``, ``policy``, ``revision``,
 ``track``, ``pod``, and ``environment`` from the pod's ``batchpilot.dev/environment`` label.
-When a pod goes away its process is drained with SIGTERM.
+When a pod goes away its process is drained with SIGTERM. Once a pod's process answers its
+readiness endpoint the harness annotates the pod ``batchpilot.dev/serving: "true"``: on a
+cluster started with ``ready_when_serving`` kwok reports the pod Ready only then, as a
+kubelet's readiness probe would (otherwise kwok reports it Ready at once, seconds before the
+process has loaded its model, and a rollout moves weight onto pods that do not serve yet).
 
 Traffic is spread over the processes of a policy as a Service spreads it over ready
 endpoints: uniformly per pod, so the canary's share follows its share of pods.
@@ -28,7 +32,7 @@ from typing import Any
 from kubernetes import client, config
 
 from batchpilot_localdev import free_port, podnet
-from batchpilot_localdev.cluster import POD_ROUTES
+from batchpilot_localdev.cluster import POD_ROUTES, SERVING_ANNOTATION
 from batchpilot_localdev.processes import stop_group, stop_groups
 from batchpilot_localdev.prometheus import PrometheusServer, ScrapeTarget
 from batchpilot_operator.children import CONFIG_KEY, LABEL_ENVIRONMENT, LABEL_POLICY, LABEL_REVISION, LABEL_TRACK
@@ -136,6 +140,7 @@ class RuntimeHarness:
                 if not proc.ready and self._probe(proc):
                     proc.ready = True
                     changed = True
+                    self._mark_serving(proc.pod)
             if changed:
                 self._write_targets()
 
@@ -199,6 +204,16 @@ class RuntimeHarness:
         if self.routes is not None and proc.pod_ip and proc.pod_port:
             podnet.remove_route(self.routes, proc.pod_ip, proc.pod_port)
         stop_group(proc.proc, timeout=20)
+
+    def _mark_serving(self, pod: str) -> None:
+        """The readiness probe's verdict on the pod (see the module doc); a pod already gone is
+        no error."""
+        body = {"metadata": {"annotations": {SERVING_ANNOTATION: "true"}}}
+        try:
+            self.core.patch_namespaced_pod(pod, self.namespace, body)
+        except client.ApiException as exc:
+            if exc.status != 404:
+                self.errors.append(f"marking pod {pod} serving: {exc.status} {exc.reason}")
 
     @staticmethod
     def _probe(proc: RuntimeProcess) -> bool:

@@ -96,7 +96,7 @@ class Demo:
             self.say(
                 "[bold]starting the local control plane[/] (etcd, kube-apiserver, controller-manager, scheduler, kwok)"
             )
-            self.cluster = LocalCluster.start(self.workdir / "cluster", gpu_nodes=2)
+            self.cluster = LocalCluster.start(self.workdir / "cluster", gpu_nodes=2, ready_when_serving=True)
             self.say(f"control plane up in {self.cluster.started_in:.1f}s; kubeconfig: {self.cluster.kubeconfig}")
             self.kubectl("apply", "-f", str(REPO_ROOT / "crds" / "batchingpolicy.yaml"))
             self.cluster.wait_established("batchingpolicies.batchpilot.dev")
