@@ -42,7 +42,7 @@ SERVING_ANNOTATION = "batchpilot.dev/serving"
 readiness endpoint: with ``LocalCluster.start(ready_when_serving=True)`` kwok reports the pod
 Ready only then, as a kubelet's readiness probe would."""
 
-SERVING_STAGES = """\
+_SERVING_STAGES_TEMPLATE = """\
 # kwok's pod lifecycle with a readiness probe: Running with an IP at once, Ready only once the
 # runtime harness marks the pod serving (kwok's own fast stages make every pod Ready at once).
 apiVersion: kwok.x-k8s.io/v1alpha1
@@ -62,17 +62,7 @@ spec:
       - {lastTransitionTime: {{ $now | Quote }}, status: "True", type: Initialized}
       - {lastTransitionTime: {{ $now | Quote }}, status: "False", type: Ready, reason: NotServing}
       - {lastTransitionTime: {{ $now | Quote }}, status: "False", type: ContainersReady, reason: NotServing}
-      containerStatuses:
-      {{ range .spec.containers }}
-      - image: {{ .image | Quote }}
-        name: {{ .name | Quote }}
-        ready: false
-        restartCount: 0
-        started: true
-        state:
-          running:
-            startedAt: {{ $now | Quote }}
-      {{ end }}
+@CONTAINERS_NOT_READY@
       hostIP: {{ NodeIPWith .spec.nodeName | Quote }}
       podIP: {{ PodIPWith .spec.nodeName ( or .spec.hostNetwork false ) ( or .metadata.uid "" ) ( or .metadata.name "" ) ( or .metadata.namespace "" ) | Quote }}
       phase: Running
@@ -87,7 +77,7 @@ spec:
   selector:
     matchExpressions:
     - {key: '.metadata.deletionTimestamp', operator: 'DoesNotExist'}
-    - {key: '.metadata.annotations["batchpilot.dev/serving"]', operator: 'In', values: ['true']}
+    - {key: '.metadata.annotations["@SERVING@"]', operator: 'In', values: ['true']}
     - {key: '.status.conditions.[] | select( .type == "Ready" ) | .status', operator: 'In', values: ['False']}
   next:
     statusTemplate: |
@@ -95,17 +85,7 @@ spec:
       conditions:
       - {lastTransitionTime: {{ $now | Quote }}, status: "True", type: Ready}
       - {lastTransitionTime: {{ $now | Quote }}, status: "True", type: ContainersReady}
-      containerStatuses:
-      {{ range .spec.containers }}
-      - image: {{ .image | Quote }}
-        name: {{ .name | Quote }}
-        ready: true
-        restartCount: 0
-        started: true
-        state:
-          running:
-            startedAt: {{ $now | Quote }}
-      {{ end }}
+@CONTAINERS_READY@
 ---
 apiVersion: kwok.x-k8s.io/v1alpha1
 kind: Stage
@@ -120,6 +100,30 @@ spec:
     finalizers: {empty: true}
     delete: true
 """
+
+
+def _container_statuses(ready: bool) -> str:
+    """A kwok status template's containerStatuses: every container running, ready or not."""
+    return f"""\
+      containerStatuses:
+      {{{{ range .spec.containers }}}}
+      - image: {{{{ .image | Quote }}}}
+        name: {{{{ .name | Quote }}}}
+        ready: {"true" if ready else "false"}
+        restartCount: 0
+        started: true
+        state:
+          running:
+            startedAt: {{{{ $now | Quote }}}}
+      {{{{ end }}}}"""
+
+
+SERVING_STAGES = (
+    _SERVING_STAGES_TEMPLATE.replace("@CONTAINERS_NOT_READY@", _container_statuses(False))
+    .replace("@CONTAINERS_READY@", _container_statuses(True))
+    .replace("@SERVING@", SERVING_ANNOTATION)
+)
+
 ADMIN_TOKEN = "batchpilot-local-admin-token"
 CONTROLLERS = ",".join(
     [
