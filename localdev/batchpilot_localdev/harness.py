@@ -6,7 +6,10 @@ starts ``python -m batchpilot_runtime.server`` with that pod's revision config (
 ConfigMap the pod mounts) and track, and registers it as a target of the local Prometheus (file_sd)
 labelled like the pod would be by the PodMonitor: ``namespace``, ``policy``, ``revision``,
 ``track``, ``pod``, and ``environment`` from the pod's ``batchpilot.dev/environment`` label.
-When a pod goes away its process is drained with SIGTERM. Once a pod's process answers its
+When a pod goes away its process is stopped as a kubelet stops a container: it keeps serving
+for the container's ``preStop`` sleep (the endpoint's removal reaches Envoy, the local data plane
+and the pod network's other clients in that time, so no request meets a closed port), then it
+drains with SIGTERM. Once a pod's process answers its
 readiness endpoint the harness annotates the pod ``batchpilot.dev/serving: "true"``: on a
 cluster started with ``ready_when_serving`` kwok reports the pod Ready only then, as a
 kubelet's readiness probe would (otherwise kwok reports it Ready at once, seconds before the
@@ -51,6 +54,7 @@ class RuntimeProcess:
     pod_port: int | None = None
     model: str = ""
     environment: str | None = None
+    pre_stop_seconds: float = 0.0
 
     @property
     def url(self) -> str:
@@ -75,6 +79,9 @@ class RuntimeHarness:
         workdir.mkdir(parents=True, exist_ok=True)
         self.core = client.CoreV1Api(config.new_client_from_config(config_file=str(kubeconfig)))  # type: ignore[no-untyped-call]
         self.procs: dict[str, RuntimeProcess] = {}
+        self.stopping: dict[str, tuple[RuntimeProcess, float]] = {}
+        """Processes of pods gone, serving out their ``preStop`` sleep: each with the monotonic
+        time of its SIGTERM. No longer an endpoint, still a scrape target."""
         self._lock = threading.Lock()
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
@@ -105,8 +112,9 @@ class RuntimeHarness:
             self._thread.join(timeout=10)
         with self._lock:
             # SIGTERM all first, then wait: each drains on its own, in parallel.
-            procs = list(self.procs.values())
+            procs = [*self.procs.values(), *(p for p, _ in self.stopping.values())]
             self.procs.clear()
+            self.stopping.clear()
             stop_groups((p.proc for p in procs), timeout=20)
             self._write_targets()
 
@@ -126,9 +134,15 @@ class RuntimeHarness:
             wanted[pod.metadata.name] = pod
         with self._lock:
             changed = False
+            now = time.monotonic()
             for name in list(self.procs):
                 if name not in wanted:
-                    self._terminate(name)
+                    proc = self.procs.pop(name)
+                    self.stopping[name] = (proc, now + proc.pre_stop_seconds)
+            for name, (proc, sigterm_at) in list(self.stopping.items()):
+                if now >= sigterm_at:
+                    del self.stopping[name]
+                    self._terminate(proc)
                     changed = True
             for name, pod in wanted.items():
                 if name not in self.procs:
@@ -197,10 +211,10 @@ class RuntimeHarness:
             pod_port=pod_port,
             model=str(cfg.get("model", {}).get("name", "")),
             environment=labels.get(LABEL_ENVIRONMENT),
+            pre_stop_seconds=_pre_stop_seconds(pod),
         )
 
-    def _terminate(self, name: str) -> None:
-        proc = self.procs.pop(name)
+    def _terminate(self, proc: RuntimeProcess) -> None:
         if self.routes is not None and proc.pod_ip and proc.pod_port:
             podnet.remove_route(self.routes, proc.pod_ip, proc.pod_port)
         stop_group(proc.proc, timeout=20)
@@ -238,7 +252,7 @@ class RuntimeHarness:
                     # as the PodMonitor relabels the pod's batchpilot.dev/environment label
                     | ({"environment": p.environment} if p.environment else {}),
                 )
-                for p in self.procs.values()
+                for p in [*self.procs.values(), *(p for p, _ in self.stopping.values())]
                 if p.ready
             ]
         )
@@ -261,3 +275,13 @@ class RuntimeHarness:
                 return
             time.sleep(0.2)
         raise TimeoutError(f"{count} ready runtime processes of {policy} not up after {timeout}s: {self.errors}")
+
+
+def _pre_stop_seconds(pod: Any) -> float:
+    """The pod's ``preStop`` sleep (the first container's that has one), which a kubelet runs
+    before the container's SIGTERM; 0 without one."""
+    for container in pod.spec.containers:
+        hook = container.lifecycle.pre_stop if container.lifecycle is not None else None
+        if hook is not None and hook.sleep is not None:
+            return float(hook.sleep.seconds)
+    return 0.0

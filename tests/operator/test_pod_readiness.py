@@ -7,11 +7,18 @@ canary half the traffic, all of it to the one canary process that did). With
 ``LocalCluster.start(ready_when_serving=True)`` kwok keeps the pod Running but not Ready until
 the harness marks it serving (as a kubelet's readiness probe would): the Deployment's ready
 count, which the operator reads, follows the process.
+
+The other end of a pod's life, on every cluster: when its pod goes away the process is no
+longer an endpoint at once, and keeps serving for the pod's ``preStop`` sleep before its SIGTERM,
+as a kubelet runs the hook: a gateway that learns of the removal a moment later (Envoy through
+Contour, in the demo) still reaches a live process, as on a cluster.
 """
 
 from __future__ import annotations
 
 import json
+import time
+import urllib.request
 from pathlib import Path
 from typing import Any
 
@@ -48,6 +55,14 @@ def ready_replicas(cluster: LocalCluster, namespace: str, name: str) -> int:
     return int((deployment.get("status") or {}).get("readyReplicas") or 0)
 
 
+def answers(url: str) -> bool:
+    try:
+        with urllib.request.urlopen(f"{url}/v2/health/live", timeout=1) as resp:
+            return bool(resp.status == 200)
+    except OSError:
+        return False
+
+
 def test_a_pod_is_ready_only_once_its_runtime_process_serves(tmp_path: Path) -> None:
     cluster = LocalCluster.start(tmp_path / "cluster", gpu_nodes=1, ready_when_serving=True)
     harness: RuntimeHarness | None = None
@@ -73,6 +88,25 @@ def test_a_pod_is_ready_only_once_its_runtime_process_serves(tmp_path: Path) -> 
         # ... only once its process answered its readiness endpoint
         assert [p.ready for p in harness.processes()] == [True]
         assert pod_state(cluster, ns)[3].get(SERVING_ANNOTATION) == "true"
+        assert not harness.errors, harness.errors
+
+        # The pod goes away: no longer an endpoint, the process serves out the preStop sleep
+        (proc,) = harness.processes()
+        assert proc.pre_stop_seconds == children.ENDPOINT_REMOVAL_SECONDS > 0
+        deleted = time.monotonic()
+        cluster.kubectl("scale", "deployment", deployment["metadata"]["name"], "-n", ns, "--replicas=0")
+        wait_until(lambda: not harness.endpoints("shop"), 30, "the pod's process no longer an endpoint")
+        assert answers(proc.url), "the process stopped serving as its pod went away"
+        last = deleted
+        while proc.proc.poll() is None and time.monotonic() - deleted < 60:
+            if answers(proc.url):
+                last = time.monotonic()
+            time.sleep(0.1)
+        assert proc.proc.poll() is not None, "the process outlived its pod by a minute"
+        assert last - deleted >= children.ENDPOINT_REMOVAL_SECONDS - 0.5, (
+            f"served {last - deleted:.1f}s after the delete"
+        )
+        assert not harness.processes() and not harness.stopping
         assert not harness.errors, harness.errors
     finally:
         if harness is not None:
