@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import json
 import logging
+import math
 import os
 from dataclasses import dataclass
 from datetime import UTC, datetime
@@ -35,6 +36,7 @@ from kubernetes.client import rest
 from kubernetes.client.exceptions import ApiException
 from kubernetes.dynamic.exceptions import (
     ConflictError,
+    DynamicApiError,
     NotFoundError,
     ResourceNotFoundError,
     UnprocessibleEntityError,
@@ -49,6 +51,11 @@ log = logging.getLogger(__name__)
 
 class TransientKubeError(RuntimeError):
     """A write lost a race or the API hiccupped: retry on the next reconcile."""
+
+
+class StatusRejected(RuntimeError):
+    """The API server refused the status itself (not a race): retrying the same write fails the
+    same way, so it is surfaced with the server's message."""
 
 
 class WriteObserver(Protocol):
@@ -248,6 +255,15 @@ class Kube:
     def replace_status(self, namespace: str, name: str, resource_version: str, status: dict[str, Any]) -> Manifest:
         """Replace the policy's whole status, only if the object is still at ``resource_version``."""
         resource = self._resource(API_VERSION, KIND)
+        dropped: list[str] = []
+        status = finite_json(status, "status", dropped)
+        if dropped:
+            log.warning(
+                "%s/%s: status fields with a number JSON cannot hold (NaN or infinity) left out: %s",
+                namespace,
+                name,
+                ", ".join(dropped),
+            )
         patch = [
             {"op": "test", "path": "/metadata/resourceVersion", "value": resource_version},
             {"op": "add", "path": "/status", "value": status},
@@ -256,12 +272,46 @@ class Kube:
             written = resource.status.patch(
                 body=patch, name=name, namespace=namespace, content_type="application/json-patch+json"
             )
-        except (ConflictError, UnprocessibleEntityError, ApiException) as exc:
+        except (ConflictError, UnprocessibleEntityError) as exc:
             raise TransientKubeError(f"status of {namespace}/{name} changed underneath: {exc}") from exc
+        except ApiException as exc:
+            if exc.status is not None and 400 <= exc.status < 500 and exc.status not in (408, 429):
+                why = exc.summary() if isinstance(exc, DynamicApiError) else exc.reason
+                raise StatusRejected(f"status of {namespace}/{name} rejected ({exc.status}): {why}") from exc
+            raise TransientKubeError(f"status of {namespace}/{name} not written: {exc}") from exc
         result: Manifest = written.to_dict()
         if self.observer is not None:
             self.observer.wrote(result)
         return result
+
+
+def finite_json(value: Any, path: str, dropped: list[str]) -> Any:
+    """``value`` without the numbers JSON cannot hold (NaN, infinity: the API server answers
+    400 to the whole write): a dict leaves out such a member, and a list that held one is left
+    out whole (never written ragged: a tally's [bad, requests] pair is both or neither). Each
+    path left out is appended to ``dropped``; ``_MISSING`` stands for "left out"."""
+    if isinstance(value, float) and not math.isfinite(value):
+        dropped.append(path)
+        return _MISSING
+    if isinstance(value, dict):
+        out: dict[str, Any] = {}
+        for k, v in value.items():
+            v = finite_json(v, f"{path}.{k}", dropped)
+            if v is not _MISSING:
+                out[k] = v
+        return out
+    if isinstance(value, list):
+        before = len(dropped)
+        items = [finite_json(v, f"{path}[{i}]", dropped) for i, v in enumerate(value)]
+        if any(v is _MISSING for v in items):
+            del dropped[before:]
+            dropped.append(path)
+            return _MISSING
+        return items
+    return value
+
+
+_MISSING: Any = object()
 
 
 def event_manifest(involved: Manifest, type_: str, reason: str, message: str, now: datetime, instance: str) -> Manifest:
