@@ -49,7 +49,7 @@ def record_analysis(p: PlanState, a: AnalysisResult) -> None:
                     query=c.query,
                     value=json_float(c.value),
                     samples=c.samples,
-                    threshold=c.threshold,
+                    threshold=json_float(c.threshold),
                     outcome=c.outcome.value,
                     evidence=c.describe(),
                     stable_value=json_float(s.value) if s else None,
