@@ -40,7 +40,7 @@ if TYPE_CHECKING:  # started only with --real-node, imported there
 DEMO_DIR = REPO_ROOT / "manifests" / "demo"
 CHANGES = [
     ("initial policy", DEMO_DIR / "1-initial.yaml"),
-    ("good change: window 2ms -> 5ms, batch 8 -> 16", DEMO_DIR / "2-good-change.yaml"),
+    ("good change: batch 8 -> 16 at the same 2ms window", DEMO_DIR / "2-good-change.yaml"),
     ("bad change: batch 64, window 110ms under a 120ms p99 SLO", DEMO_DIR / "3-bad-change.yaml"),
 ]
 POLICY, NAMESPACE, MODEL = "demo-embedder", "demo", "mlp"

@@ -17,6 +17,8 @@ from bptest import Kube
 
 REPO = Path(__file__).resolve().parents[2]
 EXAMPLES = sorted(p for p in (REPO / "manifests" / "examples").glob("*.yaml") if p.name != "kustomization.yaml")
+DEMO = sorted((REPO / "manifests" / "demo").glob("*.yaml"))
+"""The demo's revisions (namespaced to ``demo``; `make demo` applies them)."""
 
 BASE: dict[str, Any] = {
     "apiVersion": "batchpilot.dev/v1alpha1",
@@ -234,7 +236,7 @@ def test_python_callers_may_still_pass_float_seconds() -> None:
     assert CanaryStep(weight=10, pause=30.0).pause == 30.0  # only manifests must spell durations
 
 
-@pytest.mark.parametrize("path", EXAMPLES, ids=[p.stem for p in EXAMPLES])
+@pytest.mark.parametrize("path", EXAMPLES + DEMO, ids=[p.stem for p in EXAMPLES + DEMO])
 def test_models_accept_examples(path: Path) -> None:
     doc = yaml.safe_load(path.read_text())
     assert pydantic_error(doc["spec"]) is None
