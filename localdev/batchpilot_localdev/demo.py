@@ -23,6 +23,8 @@ import re
 import shutil
 import signal
 import time
+from collections import Counter
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from datetime import datetime
 from pathlib import Path
@@ -31,6 +33,7 @@ from typing import Any
 import yaml
 from rich.console import Console
 
+from batchpilot_localdev.load import TrackStats
 from batchpilot_localdev.modelcheck import window_rows, window_table
 from batchpilot_localdev.scenario import CHANGES, NAMESPACE, POLICY, Demo
 from batchpilot_operator.spec import parse_spec
@@ -344,6 +347,29 @@ def tenant_table(rows: list[dict[str, Any]]) -> str:
     return "\n".join(lines)
 
 
+def client_line(stats: Iterable[TrackStats]) -> str:
+    """What the replay's clients got over the whole run (through the gateway: every request,
+    pods starting, scaled away and rolled included): sent, answered 200, and every other answer
+    by its HTTP status or the client's exception."""
+    sent = ok = 0
+    failures: Counter[str] = Counter()
+    for s in stats:
+        sent += s.sent
+        ok += s.ok
+        failures += s.failures
+    unanswered = sent - ok - sum(failures.values())  # still in flight when the replay stopped
+    rest = ", ".join(f"{n} x {kind}" for kind, n in failures.most_common())
+    return (
+        (
+            f"the clients: {sent} requests sent, {ok} answered 200 ({ok / sent:.2%})"
+            if sent
+            else "the clients: no request sent"
+        )
+        + (f"; the others: {rest}" if rest else "")
+        + (f"; {unanswered} in flight at the end" if unanswered > 0 else "")
+    )
+
+
 def write_report(demo: Demo, final_status: dict[str, Any], out: Path) -> Path:
     """PNG plot per revision/track over time (p99 latency and queue age against the SLO,
     throughput, mean batch size) with the rollout's events labelled, plus the ledger and a
@@ -404,6 +430,8 @@ def run_demo(workdir: Path, rate: float, trace: Path, real_node: bool = False) -
         console.print(tenant_table(json.loads((workdir / "report" / "tenants.json").read_text())), markup=False)
         console.rule("latency model: predicted vs observed p99 per analysis window (report/model.json)")
         console.print(window_table(json.loads((workdir / "report" / "model.json").read_text())), markup=False)
+        if demo.replay is not None:
+            console.print(client_line(demo.replay.stats.values()), markup=False, highlight=False)
     console.rule("done")
     console.print(f"report: {png} (ledger.json and history.json beside it)")
     console.print(f"scenario finished in {time.monotonic() - t0:.0f}s; everything it started has been stopped")

@@ -207,6 +207,22 @@ def test_report_queries_on_a_real_runtime_and_prometheus(tmp_path: Path, prometh
     assert 0 < tenant["p99Latency"] < 5 and tenant["requests"] >= 1
 
 
+def test_client_line_counts_every_answer() -> None:
+    from collections import Counter
+
+    from batchpilot_localdev.demo import client_line
+    from batchpilot_localdev.load import TrackStats
+
+    clean = TrackStats(sent=100, ok=100)
+    assert client_line([clean]) == "the clients: 100 requests sent, 100 answered 200 (100.00%)"
+    rough = TrackStats(sent=50, ok=45, errors=4, failures=Counter({"503": 3, "ClientConnectorError": 1}))
+    assert client_line([clean, rough]) == (
+        "the clients: 150 requests sent, 145 answered 200 (96.67%); the others: 3 x 503, 1 x ClientConnectorError; "
+        "1 in flight at the end"
+    )
+    assert client_line([]) == "the clients: no request sent"
+
+
 def test_tenant_table_shows_each_clients_p99() -> None:
     from batchpilot_localdev.demo import tenant_rows, tenant_table
 
