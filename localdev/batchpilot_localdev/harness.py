@@ -112,7 +112,7 @@ class RuntimeHarness:
             self._thread.join(timeout=10)
         with self._lock:
             # SIGTERM all first, then wait: each drains on its own, in parallel.
-            procs = [*self.procs.values(), *(p for p, _ in self.stopping.values())]
+            procs = self._running()
             self.procs.clear()
             self.stopping.clear()
             stop_groups((p.proc for p in procs), timeout=20)
@@ -237,6 +237,10 @@ class RuntimeHarness:
         except OSError:
             return False
 
+    def _running(self) -> list[RuntimeProcess]:
+        """Every process still running: the pods' and those serving out their ``preStop``."""
+        return [*self.procs.values(), *(p for p, _ in self.stopping.values())]
+
     def _write_targets(self) -> None:
         self.prometheus.set_targets(
             [
@@ -252,7 +256,7 @@ class RuntimeHarness:
                     # as the PodMonitor relabels the pod's batchpilot.dev/environment label
                     | ({"environment": p.environment} if p.environment else {}),
                 )
-                for p in [*self.procs.values(), *(p for p, _ in self.stopping.values())]
+                for p in self._running()
                 if p.ready
             ]
         )
