@@ -272,10 +272,11 @@ class Kube:
             written = resource.status.patch(
                 body=patch, name=name, namespace=namespace, content_type="application/json-patch+json"
             )
-        except (ConflictError, UnprocessibleEntityError) as exc:
+        except (ConflictError, UnprocessibleEntityError, NotFoundError) as exc:
+            # 404: the policy was deleted since the cache read it; the watch drops it from the queue
             raise TransientKubeError(f"status of {namespace}/{name} changed underneath: {exc}") from exc
         except ApiException as exc:
-            if exc.status is not None and 400 <= exc.status < 500 and exc.status not in (408, 429):
+            if exc.status is not None and 400 <= exc.status < 500 and exc.status not in _RACES:
                 why = exc.summary() if isinstance(exc, DynamicApiError) else exc.reason
                 raise StatusRejected(f"status of {namespace}/{name} rejected ({exc.status}): {why}") from exc
             raise TransientKubeError(f"status of {namespace}/{name} not written: {exc}") from exc
@@ -283,6 +284,11 @@ class Kube:
         if self.observer is not None:
             self.observer.wrote(result)
         return result
+
+
+# A status write answered with one of these lost a race or met a busy server (409/422 come as
+# their own classes): the next reconcile retries it.
+_RACES = (404, 408, 409, 410, 429)
 
 
 def finite_json(value: Any, path: str, dropped: list[str]) -> Any:

@@ -17,7 +17,7 @@ import math
 import pytest
 
 from batchpilot_operator.kube import Kube as OperatorKube
-from batchpilot_operator.kube import finite_json
+from batchpilot_operator.kube import TransientKubeError, finite_json
 from bptest import Kube, policy
 
 
@@ -61,3 +61,16 @@ def test_a_status_with_nan_is_written_without_it(kube: Kube, namespace: str) -> 
     )
     assert written["status"]["phase"] == "Progressing"
     assert "observedGeneration" not in written["status"]
+
+
+@pytest.mark.cluster
+def test_a_status_write_to_a_deleted_policy_is_a_race_not_a_rejection(kube: Kube, namespace: str) -> None:
+    """The cache can hold a policy a moment after its delete: the write's 404 is retried (and the
+    next reconcile finds it gone), not surfaced as a ReconcileError Event on a deleted object."""
+    kube.apply(policy("gone"), "-n", namespace)
+    obj = kube.get("batchingpolicy", "gone", namespace)
+    assert obj is not None
+    kube.kubectl("delete", "batchingpolicy", "gone", "-n", namespace, "--wait=true")
+    api = OperatorKube.connect(str(kube.kubeconfig))
+    with pytest.raises(TransientKubeError, match="gone"):
+        api.replace_status(namespace, "gone", obj["metadata"]["resourceVersion"], {"phase": "Progressing"})
