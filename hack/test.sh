@@ -18,10 +18,13 @@ fi
 # its clients on time, and beside the other half of the suite on 2 cores they missed (pods 3-4x
 # slower than the model, a client giving up on a request through Envoy). Every test runs exactly
 # once; BATCHPILOT_TEST_SERIAL=1 (or any pytest argument) runs them in one process instead.
+logs=$(mktemp -d)
 group() {
   local name=$1
   shift
-  pytest --basetemp="${TMPDIR:-/tmp}/batchpilot-pytest-$name" --durations=12 "$@" 2>&1 | sed -u "s/^/[$name] /"
+  pytest --basetemp="${TMPDIR:-/tmp}/batchpilot-pytest-$name" --durations=12 "$@" 2>&1 \
+    | sed -u "s/^/[$name] /" | tee "$logs/$name.log"
+  return "${PIPESTATUS[0]}"
 }
 group operator -m "not alone" tests/operator &
 operator=$!
@@ -31,5 +34,7 @@ rc=0
 wait "$operator" || rc=$?
 wait "$rest" || rc=$?
 group alone -m alone tests || rc=$?
+# The groups interleave their output and CI shows only its tail: what failed, repeated last.
+grep -hE '^\[[a-z]+\] (FAILED|ERROR) ' "$logs"/*.log || true
 [ "$rc" -eq 0 ] && echo ">> pytest: every group passed" || echo ">> pytest: a group failed (exit $rc)"
 exit "$rc"
