@@ -49,10 +49,10 @@ TENANTS = [("web", 0.75), ("mobile", 0.25)]
 REAL_NODE_RESOURCES = {"cpu": "200m", "memory": "1536Mi"}
 """Each pod's requests on the real node (the memory is its limit too)."""
 REAL_NODE_GPUS = 9
-"""``nvidia.com/gpu`` the real node advertises: the demo's 4 stable pods, a canary of up to 4 (a
-step of the gateway keeps the stable whole), and the one pod the stable surges by when it rolls
-to a promoted revision while the canary still serves. With 8 that pod stayed Pending and the
-promotion never finished."""
+"""``nvidia.com/gpu`` the real node advertises: room for the demo's stable pods, a canary as large
+(a gateway step without ``dynamicStableScale`` keeps the stable whole), and the pod the stable
+surges by when it rolls to a promoted revision while the canary still serves; sized when the demo
+ran 4 replicas (4 + 4 + 1: with 8 that pod stayed Pending and the promotion never finished)."""
 DEFAULT_TRACE = REPO_ROOT.parent / "shared" / "traces" / "azure-llm-2023-code.csv"
 
 
@@ -245,7 +245,7 @@ class Demo:
         self.say(f"[bold]git push[/] {label} ({path.name})")
         self.gitops_apply(path)
         first = self.wait(lambda s: s.get("phase") == "Healthy", 300, "the first revision")
-        self.wait_ready(4, timeout=300)
+        self.wait_ready(int(yaml.safe_load(path.read_text())["spec"]["replicas"]), timeout=300)
         trace = load_trace(self.trace)
         self.say(
             f"replaying {trace.count} arrivals of {self.trace.name} (burstiness: gap CV {trace.gap_cv():.1f}) "
