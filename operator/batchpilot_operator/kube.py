@@ -272,7 +272,15 @@ class Kube:
             written = resource.status.patch(
                 body=patch, name=name, namespace=namespace, content_type="application/json-patch+json"
             )
-        except (ConflictError, UnprocessibleEntityError, NotFoundError) as exc:
+        except UnprocessibleEntityError as exc:
+            # 422 is both a failed resourceVersion test (a race; the body names no field) and a
+            # status the CRD's schema refuses (the body lists each field in details.causes):
+            # the latter fails the same way on every retry.
+            fields = _invalid_fields(exc.body)
+            if fields:
+                raise StatusRejected(f"status of {namespace}/{name} rejected (422): {'; '.join(fields)}") from exc
+            raise TransientKubeError(f"status of {namespace}/{name} changed underneath: {exc}") from exc
+        except (ConflictError, NotFoundError) as exc:
             # 404: the policy was deleted since the cache read it; the watch drops it from the queue
             raise TransientKubeError(f"status of {namespace}/{name} changed underneath: {exc}") from exc
         except ApiException as exc:
@@ -286,9 +294,27 @@ class Kube:
         return result
 
 
-# A status write answered with one of these lost a race or met a busy server (409/422 come as
-# their own classes): the next reconcile retries it.
+# A status write answered with one of these lost a race or met a busy server (409 and 422 come
+# as their own classes): the next reconcile retries it.
 _RACES = (404, 408, 409, 410, 429)
+
+
+def _invalid_fields(body: Any) -> list[str]:
+    """``field: message`` for each cause of a 422 ``Invalid`` Status body (none for a failed
+    JSON-patch test, whose body names no field)."""
+    if isinstance(body, bytes):
+        body = body.decode(errors="replace")
+    try:
+        status = json.loads(body) if isinstance(body, str) else body
+    except ValueError:
+        return []
+    details = status.get("details") if isinstance(status, dict) else None
+    causes = details.get("causes") if isinstance(details, dict) else None
+    return [
+        f"{c.get('field', '?')}: {c.get('message', c.get('reason', ''))}"
+        for c in causes or []
+        if isinstance(c, dict) and c.get("field")
+    ]
 
 
 def finite_json(value: Any, path: str, dropped: list[str]) -> Any:

@@ -17,7 +17,7 @@ import math
 import pytest
 
 from batchpilot_operator.kube import Kube as OperatorKube
-from batchpilot_operator.kube import TransientKubeError, finite_json
+from batchpilot_operator.kube import StatusRejected, TransientKubeError, finite_json
 from bptest import Kube, policy
 
 
@@ -74,3 +74,19 @@ def test_a_status_write_to_a_deleted_policy_is_a_race_not_a_rejection(kube: Kube
     api = OperatorKube.connect(str(kube.kubeconfig))
     with pytest.raises(TransientKubeError, match="gone"):
         api.replace_status(namespace, "gone", obj["metadata"]["resourceVersion"], {"phase": "Progressing"})
+
+
+@pytest.mark.cluster
+def test_a_status_the_schema_refuses_is_rejected_with_its_fields_and_a_stale_one_is_a_race(
+    kube: Kube, namespace: str
+) -> None:
+    """Both come back 422: the schema's refusal names its fields (and fails the same way on
+    every retry: surfaced, with them), a failed resourceVersion test names none (a race)."""
+    kube.apply(policy("p"), "-n", namespace)
+    obj = kube.get("batchingpolicy", "p", namespace)
+    assert obj is not None
+    api = OperatorKube.connect(str(kube.kubeconfig))
+    with pytest.raises(StatusRejected, match=r"status\.phase: Unsupported value"):
+        api.replace_status(namespace, "p", obj["metadata"]["resourceVersion"], {"phase": "Bogus"})
+    with pytest.raises(TransientKubeError, match="changed underneath"):
+        api.replace_status(namespace, "p", "1", {"phase": "Progressing"})
