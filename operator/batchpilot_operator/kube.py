@@ -280,8 +280,7 @@ class Kube:
             if fields:
                 raise StatusRejected(f"status of {namespace}/{name} rejected (422): {'; '.join(fields)}") from exc
             raise TransientKubeError(f"status of {namespace}/{name} changed underneath: {exc}") from exc
-        except (ConflictError, NotFoundError) as exc:
-            # 404: the policy was deleted since the cache read it; the watch drops it from the queue
+        except ConflictError as exc:
             raise TransientKubeError(f"status of {namespace}/{name} changed underneath: {exc}") from exc
         except ApiException as exc:
             if exc.status is not None and 400 <= exc.status < 500 and exc.status not in _RACES:
@@ -294,9 +293,10 @@ class Kube:
         return result
 
 
-# A status write answered with one of these lost a race or met a busy server (409 and 422 come
-# as their own classes): the next reconcile retries it.
-_RACES = (404, 408, 409, 410, 429)
+# A status write answered with one of these lost a race or met a busy server (404/410: the policy
+# was deleted since the cache read it, and the watch drops it from the queue; 409 and 422 are
+# caught as their own classes above): the next reconcile retries it.
+_RACES = (404, 408, 410, 429)
 
 
 def _invalid_fields(body: Any) -> list[str]:
