@@ -19,6 +19,7 @@ fi
 # slower than the model, a client giving up on a request through Envoy). Every test runs exactly
 # once; BATCHPILOT_TEST_SERIAL=1 (or any pytest argument) runs them in one process instead.
 logs=$(mktemp -d)
+trap 'rm -rf "$logs"' EXIT
 group() {
   local name=$1
   shift

@@ -211,7 +211,7 @@ class Demo:
     def manifest(self, path: Path) -> dict[str, Any]:
         """The policy in ``path`` as the demo applies it: as Git holds it, except that on the real
         node every pod asks for :data:`REAL_NODE_RESOURCES` (the node's 2 cores and the machine's
-        memory hold the demo's 9 pods at that size, not at the 1 CPU and 4Gi the policy's defaults give)."""
+        memory hold the demo's pods at that size, not at the 1 CPU and 4Gi the policy's defaults give)."""
         doc: dict[str, Any] = yaml.safe_load(path.read_text())
         if self.real_node:
             doc["spec"]["resources"] = {**doc["spec"].get("resources", {}), **REAL_NODE_RESOURCES}
@@ -245,7 +245,7 @@ class Demo:
         self.say(f"[bold]git push[/] {label} ({path.name})")
         self.gitops_apply(path)
         first = self.wait(lambda s: s.get("phase") == "Healthy", 300, "the first revision")
-        self.wait_ready(int(yaml.safe_load(path.read_text())["spec"]["replicas"]), timeout=300)
+        self.wait_ready(int(self.manifest(path)["spec"]["replicas"]), timeout=300)
         trace = load_trace(self.trace)
         self.say(
             f"replaying {trace.count} arrivals of {self.trace.name} (burstiness: gap CV {trace.gap_cv():.1f}) "
