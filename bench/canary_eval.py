@@ -663,6 +663,9 @@ def rollout(rule: str, old: PolicySpec, new: PolicySpec, run: Run, start: float)
                 status.rollout.evidence,
                 status.rollout.step_index,
             )
+        # The step this analysis judges (read before the planner acts on it: the analysis that
+        # promotes the canary leaves no rollout behind).
+        at_last_step = status.rollout is not None and status.rollout.step_index == len(spec.rollout.steps) - 1
         d = step(now, analysis)
         if analysis is not None and d.analysis_outcomes:
             analyses += 1
@@ -672,12 +675,7 @@ def rollout(rule: str, old: PolicySpec, new: PolicySpec, run: Run, start: float)
                 detectable = math.inf if found is None else found
                 rate = status.last_analysis.lanes[0].detectable_error_rate
                 detectable_errors = math.inf if rate is None else rate
-            if (
-                status.rollout is not None
-                and status.rollout.step_index == len(spec.rollout.steps) - 1
-                and status.last_analysis is not None
-                and status.last_analysis.lanes
-            ):
+            if at_last_step and status.last_analysis is not None and status.last_analysis.lanes:
                 found = status.last_analysis.lanes[0].detectable_p99_regression
                 detectable_last = math.inf if found is None else found
             seen = max(seen, *(tally_share(v) for k, v in analysis.tally.items() if k.endswith("/canary")), 0.0)
