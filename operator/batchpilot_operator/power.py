@@ -13,7 +13,8 @@ counts the regression would produce:
   interpolated inside a bucket as ``histogram_quantile`` does).
 * Over the tally that can promote the canary (the analyses its last like-for-like steps
   gather, at most :data:`analysis.TALLY_ANALYSES`, at this window's traffic, the canary's and
-  the stable's requests each: ``fairness.gating_analyses``), the regression is detected when
+  the stable's requests each: ``fairness.gating_analyses``; or the requests the canary's tally
+  already holds, where that is more: :func:`tally_scale`), the regression is detected when
   the canary's count of bad events at its 5th percentile (:data:`POWER`) still fails it: its
   share over the budget (1%), worse than the stable's by Fisher's one-sided test with
   ``rollout.confidence``, and at least :data:`analysis.SHARED_BREACH_RATIO` times the stable's
@@ -190,11 +191,24 @@ def detectable_regression(buckets: Sequence[tuple[float, float]], slo: float, ta
     return round(math.ceil(round((hi - 1.0) / PRECISION, 6)) * PRECISION, 2)  # up: at X itself the rule fails
 
 
+def tally_scale(canary: MetricCheck, analyses: int) -> float:
+    """How many windows' worth of this window's traffic the statement counts: ``analyses``, or
+    more where the canary's tally already holds more requests than that (a quiet window after
+    busier ones: the verdict is on the tally they filled, and a statement from the quiet window
+    alone said a 1.5x regression was out of reach while the tally caught it). Both tracks are
+    scaled alike: their windows are the same."""
+    window = canary.samples or 0.0
+    held = canary.tally[1] if canary.tally is not None else 0.0
+    if window <= 0:
+        return float(analyses)
+    return max(float(analyses), held / window)
+
+
 def _lane_tally(
     canary: float,
     stable: float,
     confidence: float,
-    analyses: int,
+    analyses: float,
     budget: float,
     power: float,
     burstiness: float,
@@ -202,7 +216,8 @@ def _lane_tally(
     on_budget: bool = False,
 ) -> Tally:
     """A tally of ``analyses`` windows at this window's traffic (``canary`` and ``stable``
-    requests a window), over ``analyses * SLICES`` sub-windows."""
+    requests a window), over ``analyses * SLICES`` sub-windows (:func:`tally_scale`: possibly a
+    fractional count of windows)."""
     return Tally(
         canary * analyses,
         stable * analyses,
@@ -210,7 +225,7 @@ def _lane_tally(
         budget,
         power,
         burstiness,
-        analyses * SLICES,
+        max(1, round(analyses * SLICES)),
         needed,
         on_budget,
     )
@@ -238,8 +253,9 @@ def lane_detectable_regression(
     if stable is None or not stable.buckets or not canary.samples or not stable.samples:
         return None
     relative = objective(canary.metric).relative  # its gate reads the evidence over the budget
+    windows = tally_scale(canary, analyses)
     tally = _lane_tally(
-        canary.samples, stable.samples, confidence, analyses, stable.budget, power, burstiness or 0.0, needed, relative
+        canary.samples, stable.samples, confidence, windows, stable.budget, power, burstiness or 0.0, needed, relative
     )
     return detectable_regression(stable.buckets, stable.threshold, tally)
 
@@ -263,5 +279,6 @@ def lane_detectable_error_rate(
     if stable is None or not canary.samples or not stable.samples:
         return None
     bursts = burstiness if burstiness is not None else canary.burstiness or 0.0
-    tally = _lane_tally(canary.samples, stable.samples, confidence, analyses, canary.budget, power, bursts, needed)
+    windows = tally_scale(canary, analyses)
+    tally = _lane_tally(canary.samples, stable.samples, confidence, windows, canary.budget, power, bursts, needed)
     return detectable_error_rate((stable.bad or 0.0) / stable.samples, tally)

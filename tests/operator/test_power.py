@@ -21,6 +21,7 @@ from batchpilot_operator.power import (
     detects,
     lane_detectable_error_rate,
     lane_detectable_regression,
+    tally_scale,
 )
 from batchpilot_operator.spec import PolicySpec
 from batchpilot_operator.stats import burst_variance, count_above
@@ -163,6 +164,27 @@ def test_the_gate_sees_what_its_last_like_for_like_steps_gather() -> None:
     canary = check("canary", 0, 300)
     one, full = (lane_detectable_regression(canary, stable, 0.95, n) for n in (1, TALLY_ANALYSES))
     assert one is not None and full is not None and one > full
+
+
+def test_a_quiet_window_is_judged_on_the_tally_the_busier_ones_filled() -> None:
+    # The canary's tally holds 1200 requests from busier windows; this window brought 30. The
+    # verdict is on the 1200 (and what comes): the statement reads them, not 4 x 30, and equals
+    # that of a window at the tally's average rate. A tally holding less than the windows to come
+    # at this rate changes nothing.
+    near = lognormal(0.04, 0.5)
+    stable = dataclasses.replace(check("stable", count_above(near, SLO) / near[-1][1] * 30, 30), buckets=near)
+    quiet = dataclasses.replace(check("canary", 0, 30), tally=(0.0, 1200.0))
+    alone = check("canary", 0, 30)
+    average = dataclasses.replace(check("stable", count_above(near, SLO) / near[-1][1] * 300, 300), buckets=near)
+    assert tally_scale(quiet, TALLY_ANALYSES) == pytest.approx(40.0)
+    assert tally_scale(alone, TALLY_ANALYSES) == TALLY_ANALYSES
+    assert tally_scale(dataclasses.replace(alone, tally=(0.0, 60.0)), TALLY_ANALYSES) == TALLY_ANALYSES
+    judged = lane_detectable_regression(quiet, stable, 0.95)
+    thin = lane_detectable_regression(alone, stable, 0.95)
+    busy = lane_detectable_regression(check("canary", 0, 300), average, 0.95)
+    assert judged is not None and thin is not None and busy is not None
+    assert judged < thin
+    assert judged == pytest.approx(busy, abs=0.02)
 
 
 def error_check(track: str, bad: float, samples: float, budget: float) -> MetricCheck:
