@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import dataclasses
 import math
 from collections.abc import Mapping, Sequence
 from datetime import UTC, datetime
@@ -12,7 +11,6 @@ from typing import Any
 import pytest
 
 from batchpilot_operator.analysis import (
-    CARRIED_P99,
     METRICS,
     NO_STABLE_P99,
     OBJECTIVES,
@@ -24,7 +22,6 @@ from batchpilot_operator.analysis import (
     MetricsBackend,
     Outcome,
     build_queries,
-    carried_thresholds,
     check_metric,
     combine,
     counter_queries,
@@ -38,12 +35,9 @@ from batchpilot_operator.analysis import (
     selector,
     sequential_needed,
     slice_counts,
-    step_evidence,
-    threshold_key,
     verdicts,
 )
 from batchpilot_operator.analysis.objectives import Counted
-from batchpilot_operator.analysis.verdicts import _carried
 from batchpilot_operator.power import lane_detectable_regression
 from batchpilot_operator.spec import PolicySpec
 from bptest import conclusive, make_spec
@@ -842,46 +836,6 @@ def test_without_a_stable_p99_the_relative_objective_passes_and_says_why() -> No
     )  # fmt: skip
     rel = alone.lanes[0].check("p99Increase")
     assert rel is not None and rel.note == NO_STABLE_P99
-
-
-def test_a_window_whose_stable_is_thin_is_judged_against_the_steps_last_threshold() -> None:
-    # A canary 1.5x slower than the stable, inside the SLO. The step's first window has a
-    # stable p99 (900 requests); in the next the stable serves 40 (under minSamples 50), too few
-    # for a p99 of its own. That quiet window no longer passes the objective unseen: both tracks
-    # are counted against the first window's threshold, its requests extend the canary's tally,
-    # and the evidence fails the canary.
-    spec = make_spec(maxP99Increase=0.25)
-    busy = LatencyBackend(_relative_table(300, 900), {"canary": _latencies(300, 1.5), "stable": _latencies(900)})
-    first = _analyse(busy, spec)
-    before = first.lanes[0].check("p99Increase")
-    assert before is not None and before.tally is not None
-    assert before.outcome is Outcome.INCONCLUSIVE, before.describe()  # its evidence not yet enough
-    assert first.tally[threshold_key("interactive")] == [[round(before.threshold, 6)]]
-    quiet = LatencyBackend(_relative_table(300, 40), {"canary": _latencies(300, 1.5), "stable": _latencies(40)})
-    assert _analyse(quiet, spec).lanes[0].check("p99Increase").note == NO_STABLE_P99  # type: ignore[union-attr]
-    second = _analyse(quiet, spec, first.tally)
-    rel = second.lanes[0].check("p99Increase")
-    assert rel is not None and rel.threshold == pytest.approx(before.threshold, abs=1e-6)
-    assert CARRIED_P99 in rel.describe()
-    assert rel.tally is not None and rel.tally[1] == pytest.approx(before.tally[1] + 300)
-    assert rel.outcome is Outcome.FAILED, rel.describe()
-    assert second.tally[threshold_key("interactive")] == [[round(before.threshold, 6)]]
-    # The threshold goes with the tally: to a step fed alike, not to one fed otherwise.
-    assert step_evidence(second.tally, keep_tally=True)[threshold_key("interactive")] == [[round(before.threshold, 6)]]
-    assert step_evidence(second.tally, keep_tally=False) == {}
-    # A canary like the stable: the quiet window extends its tally and passes, saying so; it
-    # does not hold the step (a good change on bursty traffic would stall on such windows).
-    same = LatencyBackend(_relative_table(300, 900), {"canary": _latencies(300), "stable": _latencies(900)})
-    calm = LatencyBackend(_relative_table(300, 40), {"canary": _latencies(300), "stable": _latencies(40)})
-    ok = _analyse(calm, spec, _analyse(same, spec).tally).lanes[0].check("p99Increase")
-    assert ok is not None and ok.outcome is Outcome.SUCCESSFUL and ok.note == CARRIED_P99
-    assert ok.tally is not None and ok.tally[1] == pytest.approx(600)
-    # A check too thin to judge (a tenant slice's few requests) stays thin, with no note: a
-    # note would make it hold the step (MetricCheck.thin), which stalled good changes.
-    thin = dataclasses.replace(ok, outcome=Outcome.INCONCLUSIVE, note=None, samples=10.0)
-    assert _carried(thin, thin, carried=True) is thin and thin.thin
-    # Nothing carried (the step's first window is quiet): it passes, saying why (above).
-    assert carried_thresholds({}) == {}
 
 
 def test_the_relative_objective_asks_prometheus_nothing_more_and_counts_in_the_rollouts_bound() -> None:

@@ -139,16 +139,13 @@ from batchpilot_operator.analysis.tally import (
     SLICES,
     TALLY_ANALYSES,
     TALLY_SLICES,
-    carried_thresholds,
     next_tally,
     pooled,
     sequential_key,
     slice_counts,
     step_evidence,
-    threshold_key,
 )
 from batchpilot_operator.analysis.verdicts import (
-    CARRIED_P99,
     NO_STABLE_P99,
     AnalysisResult,
     LaneVerdict,
@@ -158,7 +155,6 @@ from batchpilot_operator.analysis.verdicts import (
 )
 
 __all__ = [
-    "CARRIED_P99",
     "ERROR_OUTCOMES",
     "METRICS",
     "NO_STABLE_4XX",
@@ -185,7 +181,6 @@ __all__ = [
     "SliceKey",
     "Track",
     "build_queries",
-    "carried_thresholds",
     "check_metric",
     "combine",
     "counter_queries",
@@ -211,6 +206,5 @@ __all__ = [
     "slice_confidence",
     "slice_counts",
     "step_evidence",
-    "threshold_key",
     "verdicts",
 ]

@@ -37,30 +37,6 @@ def sequential_key(lane: str, metric: str) -> str:
     return f"{lane}/{metric}/{SEQUENTIAL}"
 
 
-THRESHOLD = "threshold"
-
-
-def threshold_key(lane: str) -> str:
-    """Where the last threshold of a lane's (or tenant slice's) relative objective is kept beside
-    the tally: ``[[seconds]]``, ``rollout.maxP99Increase`` over the stable's p99 of the last
-    window that had one (:func:`carried_thresholds`)."""
-    return f"{lane}/{THRESHOLD}"
-
-
-def carried_thresholds(history: Mapping[str, Sequence[Sequence[float]]]) -> dict[str, float]:
-    """Lane key -> the relative objective's threshold kept by an earlier analysis of the step
-    (:func:`threshold_key`). A window whose stable track is too thin for a p99 of its own is
-    judged against it, so a quiet window neither passes the objective unseen nor breaks the
-    canary's tally (``verdicts.run_analysis``). It goes with the tally: only to a step that feeds
-    the canary alike (:func:`step_evidence`)."""
-    suffix = f"/{THRESHOLD}"
-    out: dict[str, float] = {}
-    for key, value in history.items():
-        if key.endswith(suffix) and value and value[0]:
-            out[key[: -len(suffix)]] = float(value[0][0])
-    return out
-
-
 def step_evidence(evidence: Mapping[str, list[list[float]]], *, keep_tally: bool) -> dict[str, list[list[float]]]:
     """What a new step starts from: no sequential evidence (it starts afresh at each step,
     ``checks.sequential_needed``), and the tally only when the new step feeds the canary alike."""

@@ -37,15 +37,7 @@ from batchpilot_operator.analysis.queries import (
     plan_queries,
     promql_window,
 )
-from batchpilot_operator.analysis.tally import (
-    SLICES,
-    carried_thresholds,
-    next_tally,
-    pooled,
-    sequential_key,
-    slice_counts,
-    threshold_key,
-)
+from batchpilot_operator.analysis.tally import SLICES, next_tally, pooled, sequential_key, slice_counts
 from batchpilot_operator.spec import PolicySpec
 from batchpilot_operator.stats import Slices
 from batchpilot_operator.tune.calibration import RevisionCheck
@@ -157,7 +149,6 @@ def verdicts(
     history: Mapping[str, Sequence[Sequence[float]]] | None = None,
     unlike_load: str | None = None,
     relative: Mapping[str, float] | None = None,
-    carried: frozenset[str] = frozenset(),
 ) -> tuple[LaneVerdict, ...]:
     """Turn raw measurements into per-lane verdicts (the canary is judged against the stable).
 
@@ -168,9 +159,7 @@ def verdicts(
     canary pods are not fed like the stable's (``fairness.unlike_load``); the relative
     objective, which compares the canary's p99 with the stable's, then passes saying so.
     ``relative``: its thresholds by lane key, when the caller has them
-    (:func:`relative_thresholds` of these measurements otherwise); ``carried``: the lane keys
-    whose threshold is an earlier window's (:func:`tally.carried_thresholds`), which their
-    check says."""
+    (:func:`relative_thresholds` of these measurements otherwise)."""
     sl = pooled(slices or {}, history or {})
     min_samples = spec.rollout.min_samples
     if relative is None:
@@ -206,18 +195,14 @@ def verdicts(
         canary = tuple(
             _not_compared(c, unlike_load or NO_STABLE_P99)
             if objective(c.metric).relative and (unlike_load is not None or key not in relative)
-            else _carried(
+            else (judge_client_errors if objective(c.metric).stable_only else judge)(
                 c,
-                (judge_client_errors if objective(c.metric).stable_only else judge)(
-                    c,
-                    next((s for s in stable if s.metric == c.metric), None),
-                    confidence,
-                    sl.get(("canary", key, c.metric)),
-                    sl.get(("stable", key, c.metric)),
-                    (history or {}).get(sequential_key(key, c.metric)),
-                    needed,
-                ),
-                objective(c.metric).relative and key in carried,
+                next((s for s in stable if s.metric == c.metric), None),
+                confidence,
+                sl.get(("canary", key, c.metric)),
+                sl.get(("stable", key, c.metric)),
+                (history or {}).get(sequential_key(key, c.metric)),
+                needed,
             )
             for c in lane_checks["canary"]
         )
@@ -289,30 +274,22 @@ def run_analysis(
         for mq in lq.metrics
         if mq.samples in measurements and measurements[mq.samples].error is None
     }
-    # The relative objective's threshold: this window's, or where the stable was too thin for a
-    # p99 of its own, the last one the step's tally kept (both tracks are counted against it).
-    own = relative_thresholds(spec, lane_queries, measurements)
-    carried = {k: v for k, v in carried_thresholds(history or {}).items() if k not in own}
-    relative = {**carried, **own}
+    relative = relative_thresholds(spec, lane_queries, measurements)
     counts = slice_counts(spec, counters, boundaries, totals, relative)
-    lanes = verdicts(spec, lane_queries, measurements, counts, history, unlike_load, relative, frozenset(carried))
+    lanes = verdicts(spec, lane_queries, measurements, counts, history, unlike_load, relative)
     return AnalysisResult(
         time=now,
         window=promql_window(spec.rollout.analysis_interval),
         canary_revision=canary_revision,
         stable_revision=stable_revision,
         lanes=lanes,
-        tally={
-            **next_tally(counts, history or {}),
-            **sequential_evidence(lanes),
-            **{threshold_key(k): [[round(v, 6)]] for k, v in relative.items()},
-        },
+        tally={**next_tally(counts, history or {}), **sequential_evidence(lanes)},
     )
 
 
 NO_STABLE_P99 = (
     "no stable p99 to compare with in this window (fewer than minSamples stable requests, or beyond the"
-    " largest bucket) nor in an earlier window of the step: judged on the SLOs alone"
+    " largest bucket): judged on the SLOs alone"
 )
 
 
@@ -339,28 +316,6 @@ def relative_thresholds(
         if threshold is not None:
             out[lq.key] = threshold
     return out
-
-
-CARRIED_P99 = (
-    "this window's stable had too few requests for a p99 of its own: both tracks counted against the"
-    " threshold of the step's last window that had one, which can fail the canary on its tally but"
-    " not hold the step"
-)
-
-
-def _carried(window: MetricCheck, judged: MetricCheck, carried: bool) -> MetricCheck:
-    """A relative objective's check judged against an earlier window's threshold
-    (:func:`tally.carried_thresholds`): its requests extend the tally and the rollout's evidence,
-    and a tally that fails the canary fails it; short of that it passes, as a window without a
-    stable p99 did before a threshold was carried (a quiet window holding the step would stall
-    good changes on bursty traffic), saying so. A check too thin or unmeasured to judge stays
-    exactly so (a note would make a thin tenant slice's check hold the step: ``MetricCheck.thin``)."""
-    if not carried or window.outcome in (Outcome.ERROR, Outcome.INCONCLUSIVE):
-        return judged
-    note = f"{judged.note}; {CARRIED_P99}" if judged.note else CARRIED_P99
-    if judged.outcome is Outcome.FAILED:
-        return dataclasses.replace(judged, note=note)
-    return dataclasses.replace(judged, outcome=Outcome.SUCCESSFUL, note=note)
 
 
 def _not_compared(check: MetricCheck, why: str) -> MetricCheck:
