@@ -398,7 +398,7 @@ def write_report(demo: Demo, final_status: dict[str, Any], out: Path) -> Path:
         + "\n\nper tenant:\n"
         + tenant_table(data.tenants)
         + "\n\nlatency model, predicted vs observed p99 per analysis window:\n"
-        + window_table(model_rows)
+        + window_table(model_rows, _demo_slo()[0])
         + "\n"
     )
     return png
@@ -429,7 +429,8 @@ def run_demo(workdir: Path, rate: float, trace: Path, real_node: bool = False) -
         console.rule("p99 latency per tenant (report/tenants.json)")
         console.print(tenant_table(json.loads((workdir / "report" / "tenants.json").read_text())), markup=False)
         console.rule("latency model: predicted vs observed p99 per analysis window (report/model.json)")
-        console.print(window_table(json.loads((workdir / "report" / "model.json").read_text())), markup=False)
+        rows = json.loads((workdir / "report" / "model.json").read_text())
+        console.print(window_table(rows, _demo_slo()[0]), markup=False)
         if demo.replay is not None:
             console.print(client_line(demo.replay.stats.values()), markup=False, highlight=False)
     console.rule("done")

@@ -200,8 +200,26 @@ def window_rows(collector: OutcomeCollector, ledger: Sequence[dict[str, Any]], s
     return rows
 
 
-def window_table(rows: Sequence[dict[str, Any]]) -> str:
-    """Predicted vs observed p99 per analysis window, for the console and report/summary.txt."""
+def stable_over_slo(rows: Sequence[dict[str, Any]], slo: float) -> str:
+    """Which of the stable's windows its pods served over the p99 ``slo``, and at what load:
+    each such window's requests per pod against the median over the stable's windows. A
+    breach at twice the median load is the trace's burst; one at the median is the setting's."""
+    stable = [r for r in rows if r.get("track") == "stable" and r.get("observedP99") is not None and r.get("pods")]
+    if not stable:
+        return ""
+    loads = sorted(r["requests"] / r["pods"] for r in stable)
+    median = loads[len(loads) // 2]
+    over = [r for r in stable if r["observedP99"] > slo]
+    head = f"stable over its {slo * 1e3:g}ms SLO in {len(over)} of {len(stable)} windows"
+    if not over or median <= 0:
+        return head
+    at = ", ".join(f"t={r['t']:.0f}s {r['requests'] / r['pods'] / median:.1f}x" for r in over)
+    return f"{head}, at these loads (requests per pod against the median window's): {at}"
+
+
+def window_table(rows: Sequence[dict[str, Any]], slo: float | None = None) -> str:
+    """Predicted vs observed p99 per analysis window, for the console and report/summary.txt;
+    with the p99 ``slo``, which of the stable's windows were over it (:func:`stable_over_slo`)."""
 
     def ms(v: Any) -> str:
         return "-" if v is None or v != v or v == float("inf") else f"{v * 1e3:.1f}ms"
@@ -226,4 +244,6 @@ def window_table(rows: Sequence[dict[str, Any]]) -> str:
             f"model vs pods: {within} of {len(errors)} windows within 20%, median |error| "
             f"{errors[len(errors) // 2]:.0%}"
         )
+    if slo is not None and (line := stable_over_slo(rows, slo)):
+        lines.append(line)
     return "\n".join(lines)

@@ -7,7 +7,7 @@ from typing import Any
 
 import pytest
 
-from batchpilot_localdev.modelcheck import OutcomeCollector, PodRecord, window_rows, window_table
+from batchpilot_localdev.modelcheck import OutcomeCollector, PodRecord, stable_over_slo, window_rows, window_table
 from batchpilot_operator.tune.captures import merge_profiles
 from batchpilot_operator.tune.live import lane_settings_from_spec
 from batchpilot_operator.tune.simulator import simulate
@@ -77,6 +77,28 @@ def test_each_analysis_window_gets_the_model_against_each_track() -> None:
     assert canary["error"] == pytest.approx(1 / 3 - 1, abs=0.02)  # the canary took 3x the model
     table = window_table(rows)
     assert "model p99" in table and "1 of 2 windows within 20%" in table
+    assert "SLO" not in table  # said only when asked, with the SLO
+
+
+def test_the_stables_breaches_are_told_with_the_load_they_came_at() -> None:
+    # Three stable windows: one at the median load under the SLO, one at twice it over the SLO
+    # (a burst), one at the median over it (the setting's own breach).
+    def row(t: float, requests: int, pods: int, p99: float | None) -> dict[str, Any]:
+        return {"t": t, "track": "stable", "revision": "r1", "requests": requests, "pods": pods, "observedP99": p99}
+
+    rows = [
+        row(20, 200, 2, 0.05),
+        row(40, 400, 2, 0.3),
+        row(60, 100, 1, 0.15),
+        {"t": 60, "track": "canary", "revision": "r2", "requests": 50, "pods": 1, "observedP99": 0.9},  # a canary
+        row(80, 0, 2, None),  # no requests: not a window of the stable's
+    ]
+    line = stable_over_slo(rows, 0.12)
+    assert line.startswith("stable over its 120ms SLO in 2 of 3 windows")
+    assert "t=40s 2.0x" in line and "t=60s 1.0x" in line and "t=20s" not in line
+    assert stable_over_slo(rows[:1], 0.12) == "stable over its 120ms SLO in 0 of 1 windows"
+    assert stable_over_slo([], 0.12) == ""
+    assert line in window_table(rows, 0.12)
 
 
 def test_a_window_with_too_few_requests_says_why() -> None:
