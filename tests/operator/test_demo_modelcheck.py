@@ -7,7 +7,14 @@ from typing import Any
 
 import pytest
 
-from batchpilot_localdev.modelcheck import OutcomeCollector, PodRecord, stable_over_slo, window_rows, window_table
+from batchpilot_localdev.modelcheck import (
+    OutcomeCollector,
+    PodRecord,
+    _peak,
+    stable_over_slo,
+    window_rows,
+    window_table,
+)
 from batchpilot_operator.tune.captures import merge_profiles
 from batchpilot_operator.tune.live import lane_settings_from_spec
 from batchpilot_operator.tune.simulator import simulate
@@ -80,18 +87,34 @@ def test_each_analysis_window_gets_the_model_against_each_track() -> None:
     assert "SLO" not in table  # said only when asked, with the SLO
 
 
-def test_the_stables_breaches_are_told_with_the_load_they_came_at() -> None:
-    # Three stable windows: one at the median load under the SLO, one at twice it over the SLO
-    # (a burst), one at the median over it (the setting's own breach).
-    def row(t: float, requests: int, pods: int, p99: float | None) -> dict[str, Any]:
-        return {"t": t, "track": "stable", "revision": "r1", "requests": requests, "pods": pods, "observedP99": p99}
+def test_the_stables_breaches_are_told_with_the_burst_they_came_in() -> None:
+    # Three stable windows: one at the median burst under the SLO, one in a burst twice it over
+    # the SLO (the trace's), one at the median over it (the setting's own, or the machine's).
+    def row(t: float, peak: float, p99: float | None) -> dict[str, Any]:
+        return {
+            "t": t,
+            "track": "stable",
+            "revision": "r1",
+            "requests": 400,
+            "pods": 2,
+            "peakPerPod": peak,
+            "observedP99": p99,
+        }
 
     rows = [
-        row(20, 200, 2, 0.05),
-        row(40, 400, 2, 0.3),
-        row(60, 100, 1, 0.15),
-        {"t": 60, "track": "canary", "revision": "r2", "requests": 50, "pods": 1, "observedP99": 0.9},  # a canary
-        row(80, 0, 2, None),  # no requests: not a window of the stable's
+        row(20, 10.0, 0.05),
+        row(40, 20.0, 0.3),
+        row(60, 10.0, 0.15),
+        {
+            "t": 60,
+            "track": "canary",
+            "revision": "r2",
+            "requests": 50,
+            "pods": 1,
+            "peakPerPod": 90.0,
+            "observedP99": 0.9,
+        },
+        row(80, 0.0, None),  # no requests answered: not a window of the stable's
     ]
     line = stable_over_slo(rows, 0.12)
     assert line.startswith("stable over its 120ms SLO in 2 of 3 windows")
@@ -99,6 +122,14 @@ def test_the_stables_breaches_are_told_with_the_load_they_came_at() -> None:
     assert stable_over_slo(rows[:1], 0.12) == "stable over its 120ms SLO in 0 of 1 windows"
     assert stable_over_slo([], 0.12) == ""
     assert line in window_table(rows, 0.12)
+
+
+def test_a_windows_burst_is_its_busiest_second() -> None:
+    # 30 arrivals spread over 30 s, then 20 within half a second: the burst is 20/s, not the
+    # window's mean of 50/30 s.
+    times = [float(t) for t in range(30)] + [30.0 + 0.025 * k for k in range(20)]
+    assert _peak(times) == 20.0
+    assert _peak([]) == 0.0 and _peak([1.0]) == 1.0
 
 
 def test_a_window_with_too_few_requests_says_why() -> None:
