@@ -145,7 +145,8 @@ def check_window(pods: Sequence[PodRecord], lane: str, start: float, end: float)
     # The operator's own check (tune.live.calibrate), with no correction.
     profile = merge_profiles([p.profile for p in pods if p.profile is not None])
     cal = calibrate(traffic, profile, LaneCalibration())
-    served = {"revisions": traffic.revisions, "pods": len(pods), "peakPerPod": _peak(traffic.times) / len(pods)}
+    # The window's burst, which its mean rate averages away (the busiest second, per pod).
+    served = {"revisions": traffic.revisions, "pods": len(pods), "peakPerPod": traffic.peak_row_rate() / len(pods)}
     got = cal.last
     if got is None:
         return served | {"requests": len(outcomes), "skipped": cal.skipped}
@@ -200,22 +201,6 @@ def window_rows(collector: OutcomeCollector, ledger: Sequence[dict[str, Any]], s
     return rows
 
 
-PEAK_BIN = 1.0
-"""Seconds: a window's burst is its busiest bin of this length (:func:`_peak`)."""
-
-
-def _peak(times: Sequence[float]) -> float:
-    """The most arrivals in any :data:`PEAK_BIN` of ``times`` (sorted), per second: a window's
-    burst, which its mean rate averages away (the code trace puts a minute's requests in a few
-    seconds)."""
-    best, lo = 0, 0
-    for hi, t in enumerate(times):
-        while t - times[lo] >= PEAK_BIN:
-            lo += 1
-        best = max(best, hi - lo + 1)
-    return best / PEAK_BIN
-
-
 def stable_over_slo(rows: Sequence[dict[str, Any]], slo: float) -> str:
     """Which of the stable's windows its pods served over the p99 ``slo``, and in what burst:
     each such window's busiest second per pod (``peakPerPod``) against the median window's. A
@@ -224,13 +209,13 @@ def stable_over_slo(rows: Sequence[dict[str, Any]], slo: float) -> str:
     stable = [r for r in rows if r.get("track") == "stable" and r.get("observedP99") is not None and r.get("pods")]
     if not stable:
         return ""
-    peaks = sorted(float(r.get("peakPerPod") or 0.0) for r in stable)
-    median = peaks[len(peaks) // 2]
+    peak = {id(r): float(r.get("peakPerPod") or 0.0) for r in stable}
+    median = sorted(peak.values())[len(peak) // 2]
     over = [r for r in stable if r["observedP99"] > slo]
     head = f"stable over its {slo * 1e3:g}ms SLO in {len(over)} of {len(stable)} windows"
     if not over or median <= 0:
         return head
-    at = ", ".join(f"t={r['t']:.0f}s {float(r.get('peakPerPod') or 0.0) / median:.1f}x" for r in over)
+    at = ", ".join(f"t={r['t']:.0f}s {peak[id(r)] / median:.1f}x" for r in over)
     return f"{head}, in these bursts (busiest second per pod against the median window's): {at}"
 
 

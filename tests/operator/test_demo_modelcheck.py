@@ -10,12 +10,11 @@ import pytest
 from batchpilot_localdev.modelcheck import (
     OutcomeCollector,
     PodRecord,
-    _peak,
     stable_over_slo,
     window_rows,
     window_table,
 )
-from batchpilot_operator.tune.captures import merge_profiles
+from batchpilot_operator.tune.captures import MergedTraffic, merge_profiles
 from batchpilot_operator.tune.live import lane_settings_from_spec
 from batchpilot_operator.tune.simulator import simulate
 from bp_captures import LANE_SETTINGS, poisson, profile_doc
@@ -128,8 +127,12 @@ def test_a_windows_burst_is_its_busiest_second() -> None:
     # 30 arrivals spread over 30 s, then 20 within half a second: the burst is 20/s, not the
     # window's mean of 50/30 s.
     times = [float(t) for t in range(30)] + [30.0 + 0.025 * k for k in range(20)]
-    assert _peak(times) == 20.0
-    assert _peak([]) == 0.0 and _peak([1.0]) == 1.0
+
+    def peak(ts: list[float]) -> float:
+        return MergedTraffic("interactive", ["p"], ["r"], 0.0, 31.0, ts, [1] * len(ts)).peak_row_rate()
+
+    assert peak(times) == 20.0
+    assert peak([]) == 0.0 and peak([1.0]) == 1.0
 
 
 def test_a_window_with_too_few_requests_says_why() -> None:

@@ -184,15 +184,20 @@ class MergedTraffic:
         var = sum((g - mean) ** 2 for g in gaps) / len(gaps)
         return math.sqrt(var) / mean
 
-    def peak_to_mean(self, bin_s: float = 1.0) -> float:
-        """The busiest ``bin_s`` window's row rate over the mean row rate (1 for perfectly even)."""
-        if self.duration <= 0 or not self.times:
-            return math.nan
+    def peak_row_rate(self, bin_s: float = 1.0) -> float:
+        """The busiest ``bin_s`` window's row rate (rows per second; 0 with no arrivals): the
+        burst the mean rate averages away."""
         bins: dict[int, int] = {}
         for t, r in zip(self.times, self.rows, strict=True):
             k = int((t - self.start) // bin_s)
             bins[k] = bins.get(k, 0) + r
-        return (max(bins.values()) / bin_s) / self.row_rate
+        return max(bins.values(), default=0) / bin_s
+
+    def peak_to_mean(self, bin_s: float = 1.0) -> float:
+        """The busiest ``bin_s`` window's row rate over the mean row rate (1 for perfectly even)."""
+        if self.duration <= 0 or not self.times:
+            return math.nan
+        return self.peak_row_rate(bin_s) / self.row_rate
 
     def summary(self) -> dict[str, Any]:
         return {
