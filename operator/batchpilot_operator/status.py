@@ -236,6 +236,12 @@ class LaneSummary(_Model):
     )
     detects: str | None = None
     """Both in words, for ``kubectl batchpilot status``."""
+    detects_as_of: datetime | None = Field(
+        default=None,
+        alias="detectsAsOf",
+        description="with maxP99Increase: the analysis whose window the p99 statement is of (this one, or the "
+        "step's last that compared the canary's p99 with the stable's when this window's stable was too quiet to)",
+    )
     predicted_p99_latency: float | None = Field(default=None, alias="predictedP99Latency")
     """The latency model's p99 for the canary at the traffic it got in this window (``modelwatch``)."""
     stable_predicted_p99_latency: float | None = Field(default=None, alias="stablePredictedP99Latency")

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Mapping, Sequence
-from datetime import UTC, datetime
+from datetime import UTC, datetime, timedelta
 from statistics import NormalDist
 from typing import Any
 
@@ -15,6 +15,7 @@ from batchpilot_operator.analysis import (
     NO_STABLE_P99,
     OBJECTIVES,
     SLICES,
+    STABLE_TOO_THIN,
     TALLY_SLICES,
     AnalysisResult,
     LaneVerdict,
@@ -39,7 +40,11 @@ from batchpilot_operator.analysis import (
 )
 from batchpilot_operator.analysis.objectives import Counted
 from batchpilot_operator.power import lane_detectable_regression
+from batchpilot_operator.rollout import Observed, PlanInputs
+from batchpilot_operator.rollout.evidence import record_analysis
+from batchpilot_operator.rollout.state import PlanState
 from batchpilot_operator.spec import PolicySpec
+from batchpilot_operator.status import RolloutState, Status
 from bptest import conclusive, make_spec
 
 NOW = datetime(2026, 11, 30, 2, 0, tzinfo=UTC)
@@ -821,21 +826,66 @@ def test_a_canary_within_the_allowed_increase_passes_against_the_stables_p99(fac
         assert r.lanes[0].passes_step
 
 
-def test_without_a_stable_p99_the_relative_objective_passes_and_says_why() -> None:
-    # A stable track of 40 requests (under minSamples 50): its p99 is one of its slowest few,
-    # no baseline. The canary is judged on its SLOs alone, and the status says so.
+def test_a_quiet_stable_window_neither_passes_nor_holds_the_step_on_the_relative_objective() -> None:
+    # A stable track of 40 requests (under minSamples 50): its p99 is one of its slowest few, no
+    # baseline. The window compares nothing, so it can neither pass the step (a canary 3x slower
+    # was promoted so, on a quiet window after busier ones had Failed it) nor take a pass back
+    # (nothing is held against the canary); the status says why.
     backend = LatencyBackend(_relative_table(300, 40), {"canary": _latencies(300, 3.0), "stable": _latencies(40)})
     result = _analyse(backend, make_spec(maxP99Increase=0.25))
-    rel = result.lanes[0].check("p99Increase")
-    assert rel is not None and rel.outcome is Outcome.SUCCESSFUL and rel.note == NO_STABLE_P99
-    assert NO_STABLE_P99 in rel.describe()
-    # No stable track at all (a first rollout): the same.
+    lane = result.lanes[0]
+    rel = lane.check("p99Increase")
+    assert rel is not None and rel.outcome is Outcome.INCONCLUSIVE and rel.thin
+    assert rel.unjudged == STABLE_TOO_THIN and STABLE_TOO_THIN in rel.describe()
+    slo = lane.check("p99Latency")
+    assert slo is not None and slo.outcome is Outcome.SUCCESSFUL  # the SLO still judged: 3x is inside 200 ms
+    assert not lane.passes_step and not lane.holds_step
+    # The same quiet stable without maxP99Increase: the window passes the step on its SLOs.
+    plain = _analyse(backend, make_spec()).lanes[0]
+    assert plain.passes_step
+    # No stable track at all (a first rollout): nothing to wait for; judged on the SLOs alone.
     alone = run_analysis(
         backend, make_spec(maxP99Increase=0.25), policy="chat", namespace="ml", canary_revision="c1",
         stable_revision=None, now=NOW,
     )  # fmt: skip
     rel = alone.lanes[0].check("p99Increase")
-    assert rel is not None and rel.note == NO_STABLE_P99
+    assert rel is not None and rel.outcome is Outcome.SUCCESSFUL and rel.note == NO_STABLE_P99
+    assert NO_STABLE_P99 in rel.describe()
+
+
+def test_a_quiet_window_restates_what_the_last_window_that_compared_could_see() -> None:
+    # What the gate can see with maxP99Increase is what its comparing windows see: a quiet
+    # window (no stable p99) compares nothing and holds nothing, so the status restates the
+    # step's last comparing statement with its time instead of the SLO's alone (which said no
+    # 1.5x regression was in reach on about a fifth of the demo's promoting analyses).
+    spec = make_spec(maxP99Increase=0.25)
+    busy = LatencyBackend(_relative_table(300, 900), {"canary": _latencies(300), "stable": _latencies(900)})
+    quiet = LatencyBackend(_relative_table(300, 40), {"canary": _latencies(300), "stable": _latencies(40)})
+    entered = datetime(2026, 11, 30, 1, 59, tzinfo=UTC)
+    status = Status(rollout=RolloutState(revision="c1", step_weight=50, started_at=entered, step_entered_at=entered))
+
+    def record(status: Status, backend: LatencyBackend, now: datetime) -> Status:
+        p = PlanState(PlanInputs(spec=spec, generation=1, status=status, observed=Observed(), now=now))
+        record_analysis(p, _analyse(backend, spec))
+        return p.st
+
+    first = record(status, busy, NOW)
+    assert first.last_analysis is not None
+    compared = first.last_analysis.lanes[0]
+    assert compared.detects_as_of == NOW and compared.detectable_p99_regression is not None
+    later = NOW + timedelta(seconds=30)
+    second = record(first, quiet, later)
+    assert second.last_analysis is not None
+    restated = second.last_analysis.lanes[0]
+    assert restated.detectable_p99_regression == compared.detectable_p99_regression
+    assert restated.detects_as_of == NOW
+    assert restated.detects is not None and "as of the analysis at 02:00:00" in restated.detects
+    # The quiet window's own statement (the SLO's alone: far out of reach) is what a new step gets.
+    assert first.rollout is not None
+    moved = first.model_copy(update={"rollout": first.rollout.model_copy(update={"step_entered_at": later})})
+    own = record(moved, quiet, later).last_analysis
+    assert own is not None and own.lanes[0].detects_as_of is None
+    assert own.lanes[0].detectable_p99_regression != compared.detectable_p99_regression
 
 
 def test_the_relative_objective_asks_prometheus_nothing_more_and_counts_in_the_rollouts_bound() -> None:

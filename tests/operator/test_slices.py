@@ -386,3 +386,30 @@ def test_thin_slices_never_hold_a_rollout() -> None:
     final = seen[-1]
     assert final.history[-1].outcome == "Promoted" and final.history[-1].reason == "AllStepsPassed"
     assert all(s.rollout is None or s.rollout.inconclusive_streak == 0 for s in seen)
+
+
+def test_a_tenant_slice_with_a_quiet_stable_does_not_hold_the_lane_on_the_relative_objective() -> None:
+    # With maxP99Increase, a lane's window whose stable is too quiet for a p99 neither passes nor
+    # holds the step (analysis.STABLE_TOO_THIN); a tenant slice so quiet still counts for nothing,
+    # or a tenant that sends little would hold every step (docs/tenants.md).
+    spec = tenant_spec().model_copy(
+        update={"rollout": tenant_spec().rollout.model_copy(update={"max_p99_increase": 0.25})}
+    )
+    table = base()
+    for metric in ("p99Latency", "queueAge", "errorRate"):
+        value, _, bad = table[("stable", "interactive[b]", metric)]
+        table[("stable", "interactive[b]", metric)] = (value, 30.0, bad)
+    lane = lane_of(analyse(table, spec))
+    total = lane.check("p99Increase")
+    assert total is not None and math.isfinite(total.threshold) and total.unjudged is None
+    quiet = slice_of(lane, "b").check("p99Increase")
+    assert quiet is not None and quiet.unjudged is None and quiet.outcome is Outcome.SUCCESSFUL, quiet.describe()
+    assert lane.passes_step
+    # The lane's own stable as quiet: the window waits for one that compares.
+    for metric in ("p99Latency", "queueAge", "errorRate"):
+        value, _, bad = table[("stable", "interactive", metric)]
+        table[("stable", "interactive", metric)] = (value, 30.0, bad)
+    lane = lane_of(analyse(table, spec))
+    total = lane.check("p99Increase")
+    assert total is not None and total.unjudged is not None
+    assert not lane.passes_step and not lane.holds_step

@@ -147,6 +147,7 @@ from batchpilot_operator.analysis.tally import (
 )
 from batchpilot_operator.analysis.verdicts import (
     NO_STABLE_P99,
+    STABLE_TOO_THIN,
     AnalysisResult,
     LaneVerdict,
     relative_thresholds,
@@ -165,6 +166,7 @@ __all__ = [
     "REQUESTS_METRIC",
     "SHARED_BREACH_RATIO",
     "SLICES",
+    "STABLE_TOO_THIN",
     "TALLY_ANALYSES",
     "TALLY_SLICES",
     "AnalysisResult",

@@ -96,6 +96,10 @@ class MetricCheck:
     budget, and that it is worse than the stable (``stats.log_lr_over_budget``, ``stats.log_lr_worse``)."""
     evidence_needed: float | None = None
     """The e-value a failure needs (:func:`sequential_needed`; None: no sequential gate)."""
+    unjudged: str | None = None
+    """Why this window could not judge the objective although the canary has requests enough
+    (the relative objective without a stable p99 of ``minSamples`` requests): Inconclusive and
+    :attr:`thin`, so it neither passes the step nor takes a pass back; said in :meth:`describe`."""
 
     @property
     def e_over_budget(self) -> float | None:
@@ -144,7 +148,9 @@ class MetricCheck:
         if self.samples is None or self.value is None or self.bad_fraction is None:
             return f"{head}: no data from {samples} requests"
         if self.outcome is Outcome.INCONCLUSIVE and self.note is None:
-            return f"{head}: {value} from {samples} requests (too few)"
+            return f"{head}: {value} from {samples} requests " + (
+                f"({self.unjudged})" if self.unjudged else "(too few)"
+            )
         if self.outcome is Outcome.SUCCESSFUL and self.note is not None:
             return f"{head}: {value} from {samples} requests; {self.note}"
         if self.outcome is Outcome.SUCCESSFUL:

@@ -193,7 +193,7 @@ def verdicts(
         stable = tuple(lane_checks["stable"])
         needed = sequential_needed(spec, tenant is not None)
         canary = tuple(
-            _not_compared(c, unlike_load or NO_STABLE_P99)
+            _uncompared(c, unlike_load, tenant is None and _stable_thin(stable, min_samples))
             if objective(c.metric).relative and (unlike_load is not None or key not in relative)
             else (judge_client_errors if objective(c.metric).stable_only else judge)(
                 c,
@@ -316,6 +316,40 @@ def relative_thresholds(
         if threshold is not None:
             out[lq.key] = threshold
     return out
+
+
+STABLE_TOO_THIN = (
+    "no stable p99 to compare with: fewer than minSamples stable requests in this window; the window neither"
+    " passes the step nor holds it"
+)
+
+
+def _stable_thin(stable: Sequence[MetricCheck], min_samples: int) -> bool:
+    """Whether the stable track was measured in this window but has fewer than ``minSamples``
+    requests for a p99 (a quiet window; not a stable without a track or beyond the largest bucket)."""
+    lat = next((s for s in stable if s.metric == "p99Latency"), None)
+    return lat is not None and lat.outcome is not Outcome.ERROR and (lat.samples or 0.0) < min_samples
+
+
+def _uncompared(check: MetricCheck, unlike_load: str | None, quiet: bool) -> MetricCheck:
+    """A relative objective's canary check without a stable p99 to compare with: at a step that
+    feeds the canary unlike the stable, or without a stable baseline, it passes saying why (the
+    SLOs still gate it); in a lane's quiet window (``quiet``: the stable measured, under
+    ``minSamples``) it waits for one that compares (:func:`_unjudged`)."""
+    if unlike_load is not None:
+        return _not_compared(check, unlike_load)
+    return _unjudged(check, STABLE_TOO_THIN) if quiet else _not_compared(check, NO_STABLE_P99)
+
+
+def _unjudged(check: MetricCheck, why: str) -> MetricCheck:
+    """A lane's relative objective in a window whose stable is too quiet for a p99: Inconclusive
+    and thin, counted for nothing. Passing it instead promoted a canary on a window that compared
+    nothing, after busier windows had Failed it once (docs/canary-analysis.md "Quiet windows");
+    the step is passed by a window that compares, and a quiet one does not take that pass back.
+    A check that could not be measured stays so."""
+    if check.outcome is Outcome.ERROR:
+        return check
+    return dataclasses.replace(check, outcome=Outcome.INCONCLUSIVE, note=None, unjudged=why)
 
 
 def _not_compared(check: MetricCheck, why: str) -> MetricCheck:

@@ -5,6 +5,7 @@ evidence a step change or promotion carries."""
 from __future__ import annotations
 
 import math
+from datetime import datetime
 from typing import Any
 
 from batchpilot_operator.analysis import (
@@ -26,6 +27,7 @@ from batchpilot_operator.tune.calibration import RevisionCheck
 
 def record_analysis(p: PlanState, a: AnalysisResult) -> None:
     lanes: list[LaneSummary] = []
+    earlier = _step_statements(p, a)
     for lane in a.lanes:
         # The lane's total, every objective; of a tenant slice only what holds against the
         # canary (Failed, Error, or a breach not yet pinned), so the ledger stays readable.
@@ -93,7 +95,12 @@ def record_analysis(p: PlanState, a: AnalysisResult) -> None:
                 stable_rejected=_val(srej),
                 tenants=[_tenant_summary(sl) for sl in lane.slices] or None,
                 **_detectable(
-                    lane, p.spec.rollout.confidence, gating_analyses(p.spec), sequential_needed(p.spec, False)
+                    lane,
+                    p.spec.rollout.confidence,
+                    gating_analyses(p.spec),
+                    sequential_needed(p.spec, False),
+                    p.now,
+                    earlier.get(lane.lane),
                 ),
                 **_model_summary(a, lane.lane),
             )
@@ -196,13 +203,47 @@ def _model_summary(a: AnalysisResult, lane: str) -> dict[str, Any]:
     }
 
 
-def _detectable(lane: LaneVerdict, confidence: float, analyses: int, needed: float) -> dict[str, object]:
+def _step_statements(p: PlanState, a: AnalysisResult) -> dict[str, LaneSummary]:
+    """The lanes of the last analysis of this step and revision whose p99 statement compared the
+    canary with the stable (``detects_as_of``): what a quiet window restates (:func:`_detectable`)."""
+    la, r = p.st.last_analysis, p.st.rollout
+    if la is None or r is None or la.revision != a.canary_revision or la.time < r.step_entered_at:
+        return {}
+    return {lane.lane: lane for lane in la.lanes if lane.detects_as_of is not None}
+
+
+def _detectable(
+    lane: LaneVerdict,
+    confidence: float,
+    analyses: int,
+    needed: float,
+    now: datetime,
+    earlier: LaneSummary | None = None,
+) -> dict[str, object]:
     """The LaneSummary fields saying what the gate can see at this window's traffic (``power``)
     over the ``analyses`` windows the rollout's promoting tally can hold, with the evidence a
     rollback ``needed`` (``analysis.sequential_needed``): the smallest p99 regression and the
-    smallest error rate."""
+    smallest error rate.
+
+    With ``maxP99Increase``, a window whose stable is too quiet for a p99 compares nothing
+    (``analysis.STABLE_TOO_THIN``: it neither passes the step nor takes a pass back), so what
+    the step's verdict stands on is the last window that compared: its statement (``earlier``)
+    is restated with its time. From the quiet window alone the status said no 1.5x regression
+    was in reach in about a fifth of the demo's promoting analyses (docs/canary-analysis.md)."""
     out: dict[str, object] = {}
     said: list[str] = []
+    rel = lane.check("p99Increase")
+    then = earlier.detectable_p99_regression if earlier is not None else None
+    if rel is not None and rel.unjudged is not None and earlier is not None and then is not None:
+        out["detects_as_of"] = earlier.detects_as_of
+        out["detectable_p99_regression"] = then
+        at = earlier.detects_as_of.strftime("%H:%M:%S") if earlier.detects_as_of else "?"
+        said.append(
+            f"a p99 regression of {then:.0%} or more (as of the analysis at {at}: this window's stable was too "
+            "quiet to compare)"
+        )
+        _detectable_errors(lane, confidence, analyses, needed, out, said)
+        return out
     # The SLO's objective, and the relative one where the policy sets maxP99Increase: a
     # regression either fails is caught, so the smaller of the two is what the gate sees (the
     # relative one only with a stable p99 to compare with: its threshold is finite; at a step
@@ -216,7 +257,6 @@ def _detectable(lane: LaneVerdict, confidence: float, analyses: int, needed: flo
         x = lane_detectable_regression(check, stable, confidence, analyses, needed=needed)
         if x is not None:
             found = x if found is None else min(found, x)
-    lat = lane.check("p99Latency")
     if found is not None and math.isinf(found):
         why = "the stable is far under its SLO or the traffic is thin"
         if lane.check("p99Increase") is not None:
@@ -225,6 +265,17 @@ def _detectable(lane: LaneVerdict, confidence: float, analyses: int, needed: flo
     elif found is not None:
         out["detectable_p99_regression"] = found
         said.append(f"a p99 regression of {found:.0%} or more")
+    if rel is not None and math.isfinite(rel.threshold):
+        out["detects_as_of"] = now  # compared the canary's p99 with the stable's: a quiet window restates it
+    _detectable_errors(lane, confidence, analyses, needed, out, said)
+    return out
+
+
+def _detectable_errors(
+    lane: LaneVerdict, confidence: float, analyses: int, needed: float, out: dict[str, object], said: list[str]
+) -> None:
+    """The error part of :func:`_detectable`, and both parts in words (``detects``)."""
+    lat = lane.check("p99Latency")
     err, serr = lane.check("errorRate"), lane.check("errorRate", "stable")
     # Errors a queue sheds come in the same bursts as slow requests: the larger clustering counts.
     bursts = max((c.burstiness for c in (lat, err) if c is not None and c.burstiness is not None), default=None)
@@ -242,7 +293,6 @@ def _detectable(lane: LaneVerdict, confidence: float, analyses: int, needed: flo
             said.append(f"an error rate of {format_share(rate)} or more ({budget})")
     if said:
         out["detects"] = " and ".join(said) + " at the current traffic"
-    return out
 
 
 def _tenant_summary(sl: LaneVerdict) -> TenantSummary:
