@@ -32,6 +32,9 @@ counts the regression would produce:
   statement is not discounted so: the uniform slowdown it states slows every request, in
   every sub-window alike.
 * X is the smallest such ``f - 1``, found by bisection (the rule is monotone in ``f``), to 1%.
+* With ``maxP99Increase`` the relative objective's statement is of the step's windows that
+  compared the canary with the stable, each at its own threshold
+  (:func:`relative_detectable_regression`), not of this window's histogram alone.
 
 A stable far under its SLO needs a large X before a slowdown breaches at all: the gate judges
 SLO breaches, not changes that stay inside the SLO (docs/canary-analysis.md "How the canary verdict decides").
@@ -55,6 +58,7 @@ from dataclasses import dataclass
 from statistics import NormalDist
 
 from batchpilot_operator.analysis import SHARED_BREACH_RATIO, SLICES, TALLY_ANALYSES, MetricCheck, objective
+from batchpilot_operator.analysis.tally import ComparedWindow
 from batchpilot_operator.stats import (
     binomial_sf,
     count_above,
@@ -179,16 +183,45 @@ def detectable_regression(buckets: Sequence[tuple[float, float]], slo: float, ta
     """The smallest regression (a fraction: 0.5 is p99 1.5x the stable's) the rule detects
     (:func:`detects`), to :data:`PRECISION`; ``math.inf`` when not even :data:`LIMIT` is."""
 
-    def ok(factor: float) -> bool:
-        return detects(buckets, slo, factor, tally)
+    return _smallest_regression(lambda factor: detects(buckets, slo, factor, tally))
 
+
+def _smallest_regression(ok: Callable[[float], bool]) -> float:
+    """The smallest ``f - 1`` in [0, LIMIT] with ``ok(f)``, to :data:`PRECISION`, rounded up (at
+    X itself the rule fails); ``math.inf`` when not even ``1 + LIMIT`` is."""
     lo, hi = 1.0, 1.0 + LIMIT
     if ok(lo):
         return 0.0
     if not ok(hi):
         return math.inf
     hi = _smallest(ok, lo, hi, PRECISION)
-    return round(math.ceil(round((hi - 1.0) / PRECISION, 6)) * PRECISION, 2)  # up: at X itself the rule fails
+    return round(math.ceil(round((hi - 1.0) / PRECISION, 6)) * PRECISION, 2)
+
+
+def relative_detectable_regression(windows: Sequence[ComparedWindow], tally: Tally) -> float:
+    """The smallest regression the relative objective detects over the windows of its tally,
+    each counted against its own threshold as the verdict counts it (a window's slow requests
+    are those over that window's ``(1 + maxP99Increase)`` times the stable's p99): a uniform
+    regression by ``f`` puts each window's canary share over its threshold at the stable's share
+    over ``threshold / f`` in that window; the shares are pooled by the windows' requests, and
+    the tally's counts are those of ``tally`` (the caller scales the windows' requests to the
+    tally the rollout can gather). One window's histogram alone reads its 1-3 slowest requests
+    and swings the statement by tens of points from one window to the next."""
+    usable = [w for w in windows if w.stable_requests > 0 and w.canary_requests > 0 and math.isfinite(w.threshold)]
+    if not usable:
+        return math.inf
+    weight_c = sum(w.canary_requests for w in usable)
+    weight_s = sum(w.stable_requests for w in usable)
+    p_stable = sum(count_above(w.buckets, w.threshold) for w in usable) / weight_s
+
+    def ok(factor: float) -> bool:
+        p_canary = (
+            sum(w.canary_requests * count_above(w.buckets, w.threshold / factor) / w.stable_requests for w in usable)
+            / weight_c
+        )
+        return fails(p_canary, p_stable, tally)
+
+    return _smallest_regression(ok)
 
 
 def tally_scale(canary: MetricCheck, analyses: int) -> float:

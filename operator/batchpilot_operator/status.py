@@ -239,8 +239,8 @@ class LaneSummary(_Model):
     detects_as_of: datetime | None = Field(
         default=None,
         alias="detectsAsOf",
-        description="with maxP99Increase: the analysis whose window the p99 statement is of (this one, or the "
-        "step's last that compared the canary's p99 with the stable's when this window's stable was too quiet to)",
+        description="with maxP99Increase: the last analysis of the step whose window compared the canary's p99 "
+        "with the stable's (the p99 statement is of those windows; a quiet window's stable compares nothing)",
     )
     predicted_p99_latency: float | None = Field(default=None, alias="predictedP99Latency")
     """The latency model's p99 for the canary at the traffic it got in this window (``modelwatch``)."""

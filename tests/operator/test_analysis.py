@@ -39,6 +39,7 @@ from batchpilot_operator.analysis import (
     verdicts,
 )
 from batchpilot_operator.analysis.objectives import Counted
+from batchpilot_operator.fairness import gating_analyses
 from batchpilot_operator.power import lane_detectable_regression
 from batchpilot_operator.rollout import Observed, PlanInputs
 from batchpilot_operator.rollout.evidence import record_analysis
@@ -853,11 +854,12 @@ def test_a_quiet_stable_window_neither_passes_nor_holds_the_step_on_the_relative
     assert NO_STABLE_P99 in rel.describe()
 
 
-def test_a_quiet_window_restates_what_the_last_window_that_compared_could_see() -> None:
-    # What the gate can see with maxP99Increase is what its comparing windows see: a quiet
-    # window (no stable p99) compares nothing and holds nothing, so the status restates the
-    # step's last comparing statement with its time instead of the SLO's alone (which said no
-    # 1.5x regression was in reach on about a fifth of the demo's promoting analyses).
+def test_the_relative_statement_is_of_the_steps_comparing_windows_and_a_quiet_window_restates_it() -> None:
+    # What the gate can see with maxP99Increase is what its comparing windows see, each at its
+    # own threshold (kept beside the tally): a quiet window (no stable p99) compares nothing and
+    # holds nothing, so the status restates those windows' statement with the time of the last,
+    # instead of the SLO's alone (which said no 1.5x regression was in reach on about a fifth
+    # of the demo's promoting analyses).
     spec = make_spec(maxP99Increase=0.25)
     busy = LatencyBackend(_relative_table(300, 900), {"canary": _latencies(300), "stable": _latencies(900)})
     quiet = LatencyBackend(_relative_table(300, 40), {"canary": _latencies(300), "stable": _latencies(40)})
@@ -865,14 +867,24 @@ def test_a_quiet_window_restates_what_the_last_window_that_compared_could_see() 
     status = Status(rollout=RolloutState(revision="c1", step_weight=50, started_at=entered, step_entered_at=entered))
 
     def record(status: Status, backend: LatencyBackend, now: datetime) -> Status:
+        assert status.rollout is not None
         p = PlanState(PlanInputs(spec=spec, generation=1, status=status, observed=Observed(), now=now))
-        record_analysis(p, _analyse(backend, spec))
+        a = _analyse(backend, spec, status.rollout.evidence)
+        record_analysis(p, a)
+        assert p.st.rollout is not None
+        p.st.rollout.evidence = a.tally  # as the planner keeps it (rollout.steps)
         return p.st
 
     first = record(status, busy, NOW)
-    assert first.last_analysis is not None
+    assert first.last_analysis is not None and first.rollout is not None
     compared = first.last_analysis.lanes[0]
     assert compared.detects_as_of == NOW and compared.detectable_p99_regression is not None
+    # One comparing window: the statement is that window's, over the tally the rollout can gather.
+    lane = _analyse(busy, spec).lanes[0]
+    rel, stable = lane.check("p99Increase"), lane.check("p99Increase", "stable")
+    assert rel is not None
+    one = lane_detectable_regression(rel, stable, 0.95, gating_analyses(spec), needed=sequential_needed(spec, False))
+    assert compared.detectable_p99_regression == one
     later = NOW + timedelta(seconds=30)
     second = record(first, quiet, later)
     assert second.last_analysis is not None
@@ -880,9 +892,9 @@ def test_a_quiet_window_restates_what_the_last_window_that_compared_could_see() 
     assert restated.detectable_p99_regression == compared.detectable_p99_regression
     assert restated.detects_as_of == NOW
     assert restated.detects is not None and "as of the analysis at 02:00:00" in restated.detects
-    # The quiet window's own statement (the SLO's alone: far out of reach) is what a new step gets.
-    assert first.rollout is not None
-    moved = first.model_copy(update={"rollout": first.rollout.model_copy(update={"step_entered_at": later})})
+    # A new step that does not feed the canary alike starts its evidence afresh: the quiet
+    # window's own statement (the SLO's alone, far out of reach) is what it gets.
+    moved = first.model_copy(update={"rollout": first.rollout.model_copy(update={"evidence": {}})})
     own = record(moved, quiet, later).last_analysis
     assert own is not None and own.lanes[0].detects_as_of is None
     assert own.lanes[0].detectable_p99_regression != compared.detectable_p99_regression

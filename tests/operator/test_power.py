@@ -11,6 +11,7 @@ from typing import Any
 import pytest
 
 from batchpilot_operator.analysis import P99_BUDGET, SLICES, TALLY_ANALYSES, MetricCheck, Outcome, judge
+from batchpilot_operator.analysis.tally import ComparedWindow, compared_evidence, compared_key, compared_windows
 from batchpilot_operator.fairness import gating_analyses
 from batchpilot_operator.power import (
     LIMIT,
@@ -21,6 +22,7 @@ from batchpilot_operator.power import (
     detects,
     lane_detectable_error_rate,
     lane_detectable_regression,
+    relative_detectable_regression,
     tally_scale,
 )
 from batchpilot_operator.spec import PolicySpec
@@ -291,3 +293,74 @@ def test_the_stated_error_rate_is_caught_in_95_percent_of_rollouts(burstiness: f
     if burstiness > 0:
         blind = lane_detectable_error_rate(canary, stable, 0.95, TALLY_ANALYSES, burstiness=0.0)
         assert blind is not None and blind < said and caught(blind, burstiness, per_sub) <= 0.6
+
+
+def _p99(buckets: tuple[tuple[float, float], ...]) -> float:
+    """The histogram's p99 as the relative objective's threshold reads it (interpolated)."""
+    lo, hi = 0.0, 10.0
+    total = buckets[-1][1]
+    for _ in range(60):
+        mid = (lo + hi) / 2
+        lo, hi = (mid, hi) if count_above(buckets, mid) > 0.01 * total else (lo, mid)
+    return hi
+
+
+def compared(buckets: tuple[tuple[float, float], ...], canary: float, at: float = 0.0) -> ComparedWindow:
+    return ComparedWindow(at, 1.15 * _p99(buckets), canary, buckets)
+
+
+def relative_tally(windows: list[ComparedWindow], analyses: int = TALLY_ANALYSES) -> Tally:
+    scale = max(1.0, analyses / len(windows))
+    return Tally(
+        sum(w.canary_requests for w in windows) * scale,
+        sum(w.stable_requests for w in windows) * scale,
+        0.95,
+        P99_BUDGET,
+        0.95,
+        subwindows=round(len(windows) * scale * SLICES),
+        needed=160.0,
+        on_budget=True,
+    )
+
+
+def test_the_relative_statement_of_one_window_is_that_windows_rule() -> None:
+    # One comparing window: the statement over the windows is the single-window statement at
+    # that window's threshold, on the same tally.
+    buckets = lognormal(0.02, 0.35, n=200)
+    w = compared(buckets, 200.0)
+    tally = relative_tally([w])
+    assert relative_detectable_regression([w], tally) == detectable_regression(buckets, w.threshold, tally)
+
+
+def test_the_relative_statement_pools_windows_by_their_own_thresholds() -> None:
+    # A window whose tail is long (few requests between 0.7x and 1.15x its p99: a 1.5x slowdown
+    # puts few over its threshold) and one whose tail is short: over both, each counted against
+    # its own threshold, the statement lies between the two windows' own; its threshold is each
+    # window's, not one pooled p99 (the quiet window's requests would all sit under a busier
+    # window's threshold).
+    long_tail = lognormal(0.01, 0.9, n=200, seed=3)
+    short_tail = lognormal(0.03, 0.2, n=200, seed=4)
+    a, b = compared(long_tail, 200.0), compared(short_tail, 200.0)
+    both = relative_tally([a, b])
+    x_a = relative_detectable_regression([a], both)
+    x_b = relative_detectable_regression([b], both)
+    x = relative_detectable_regression([a, b], both)
+    assert x_b < x < x_a, (x_b, x, x_a)
+    # No window that compared: nothing to state from.
+    assert math.isinf(relative_detectable_regression([], both))
+
+
+def test_compared_windows_are_kept_beside_the_tally_as_json_rows() -> None:
+    # The last TALLY_ANALYSES comparing windows of a lane, in rows JSON can hold (no infinity),
+    # read back as they were; a window of other bucket bounds starts the list afresh.
+    evidence: dict[str, list[list[float]]] = {}
+    windows = [compared(lognormal(0.02, 0.35, n=100 + i, seed=i), 50.0 + i, at=1000.0 + 20 * i) for i in range(6)]
+    for w in windows:
+        evidence = {**evidence, **compared_evidence({"interactive": w}, evidence)}
+    rows = evidence[compared_key("interactive")]
+    assert all(math.isfinite(x) for row in rows for x in row)
+    assert compared_windows(evidence, "interactive") == windows[-TALLY_ANALYSES:]
+    assert compared_windows(evidence, "batch") == []
+    other = ComparedWindow(2000.0, 0.05, 10.0, ((0.01, 1.0), (0.1, 9.0), (math.inf, 10.0)))
+    evidence = {**evidence, **compared_evidence({"interactive": other}, evidence)}
+    assert compared_windows(evidence, "interactive") == [other]

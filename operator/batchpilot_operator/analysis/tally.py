@@ -6,7 +6,9 @@ pooled with the sub-windows of its last :data:`TALLY_ANALYSES` analyses (kept in
 from __future__ import annotations
 
 import itertools
+import math
 from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
 
 from batchpilot_operator.analysis.backend import Measurement, finite
 from batchpilot_operator.analysis.objectives import lane_thresholds, objective
@@ -66,6 +68,67 @@ def next_tally(
     kept = {key: [[float(x) for x in part] for part in v] for key, v in history.items()}
     kept.update({tally_key(key): [[b, n] for b, n in v] for key, v in pooled(slices, history).items()})
     return kept
+
+
+COMPARED = "compared"
+
+
+def compared_key(lane: str) -> str:
+    """Where a lane's windows that compared the canary's p99 with the stable's
+    (``maxP99Increase``) are kept beside the tally (:func:`compared_evidence`)."""
+    return f"{lane}/p99Increase/{COMPARED}"
+
+
+@dataclass(frozen=True)
+class ComparedWindow:
+    """One analysis window in which the relative objective compared the canary with the stable:
+    when, its threshold (``1 + maxP99Increase`` times the stable's p99 of that window), the
+    canary's requests, and the stable's cumulative latency histogram (what ``power`` states the
+    gate can see from)."""
+
+    at: float
+    threshold: float
+    canary_requests: float
+    buckets: tuple[tuple[float, float], ...]
+
+    @property
+    def stable_requests(self) -> float:
+        return max((b[1] for b in self.buckets), default=0.0)
+
+
+def compared_evidence(
+    windows: Mapping[str, ComparedWindow], history: Mapping[str, Sequence[Sequence[float]]]
+) -> dict[str, list[list[float]]]:
+    """The compared windows to keep after this analysis, by :func:`compared_key`: each lane's
+    earlier ones and this window's (``windows``, by lane key), the last :data:`TALLY_ANALYSES`
+    (the tally's span). Stored as rows (JSON has no infinity): the finite bucket bounds first,
+    then per window ``[at, threshold, canary requests, stable total, counts...]``; a window of
+    other bounds starts the list afresh."""
+    out: dict[str, list[list[float]]] = {}
+    for lane, w in windows.items():
+        les = [le for le, _ in sorted(w.buckets) if math.isfinite(le)]
+        counts = [c for le, c in sorted(w.buckets) if math.isfinite(le)]
+        rows = [list(r) for r in history.get(compared_key(lane), [])]
+        kept = rows[1:] if rows and rows[0] == les else []
+        kept.append([w.at, w.threshold, w.canary_requests, w.stable_requests, *counts])
+        out[compared_key(lane)] = [les, *kept[-TALLY_ANALYSES:]]
+    return out
+
+
+def compared_windows(evidence: Mapping[str, Sequence[Sequence[float]]], lane: str) -> list[ComparedWindow]:
+    """A lane's compared windows kept in the evidence (:func:`compared_evidence`), oldest first."""
+    rows = evidence.get(compared_key(lane), [])
+    if not rows:
+        return []
+    les = list(rows[0])
+    out = []
+    for row in rows[1:]:
+        at, threshold, canary, total, *counts = row
+        if len(counts) != len(les):
+            continue
+        buckets = (*zip(les, counts, strict=True), (math.inf, total))
+        out.append(ComparedWindow(at, threshold, canary, tuple((float(a), float(b)) for a, b in buckets)))
+    return out
 
 
 SLICE_COVERAGE = 0.8

@@ -37,7 +37,15 @@ from batchpilot_operator.analysis.queries import (
     plan_queries,
     promql_window,
 )
-from batchpilot_operator.analysis.tally import SLICES, next_tally, pooled, sequential_key, slice_counts
+from batchpilot_operator.analysis.tally import (
+    SLICES,
+    ComparedWindow,
+    compared_evidence,
+    next_tally,
+    pooled,
+    sequential_key,
+    slice_counts,
+)
 from batchpilot_operator.spec import PolicySpec
 from batchpilot_operator.stats import Slices
 from batchpilot_operator.tune.calibration import RevisionCheck
@@ -283,8 +291,25 @@ def run_analysis(
         canary_revision=canary_revision,
         stable_revision=stable_revision,
         lanes=lanes,
-        tally={**next_tally(counts, history or {}), **sequential_evidence(lanes)},
+        tally={
+            **next_tally(counts, history or {}),
+            **sequential_evidence(lanes),
+            **compared_evidence(_compared(lanes, at) if unlike_load is None else {}, history or {}),
+        },
     )
+
+
+def _compared(lanes: Sequence[LaneVerdict], at: float) -> dict[str, ComparedWindow]:
+    """This window's lanes (totals) whose relative objective compared the canary's p99 with the
+    stable's: a finite threshold, the stable's histogram, canary requests (``power`` states what
+    the gate can see from the step's such windows)."""
+    out: dict[str, ComparedWindow] = {}
+    for lane in lanes:
+        c, s = lane.check("p99Increase"), lane.check("p99Increase", "stable")
+        if c is None or s is None or not s.buckets or not c.samples or not math.isfinite(c.threshold):
+            continue
+        out[lane_key(lane.lane, None)] = ComparedWindow(at, c.threshold, c.samples, s.buckets)
+    return out
 
 
 NO_STABLE_P99 = (

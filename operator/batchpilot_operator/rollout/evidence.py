@@ -5,10 +5,13 @@ evidence a step change or promotion carries."""
 from __future__ import annotations
 
 import math
-from datetime import datetime
+from collections.abc import Sequence
+from datetime import UTC, datetime
 from typing import Any
 
 from batchpilot_operator.analysis import (
+    P99_BUDGET,
+    SLICES,
     TALLY_ANALYSES,
     AnalysisResult,
     LaneVerdict,
@@ -16,10 +19,19 @@ from batchpilot_operator.analysis import (
     Outcome,
     format_share,
     format_value,
+    lane_key,
     sequential_needed,
 )
+from batchpilot_operator.analysis.tally import ComparedWindow, compared_windows
 from batchpilot_operator.fairness import gating_analyses
-from batchpilot_operator.power import LIMIT, lane_detectable_error_rate, lane_detectable_regression
+from batchpilot_operator.power import (
+    LIMIT,
+    POWER,
+    Tally,
+    lane_detectable_error_rate,
+    lane_detectable_regression,
+    relative_detectable_regression,
+)
 from batchpilot_operator.rollout.state import PlanState
 from batchpilot_operator.status import AnalysisSummary, LaneSummary, LedgerEntry, TenantSummary
 from batchpilot_operator.tune.calibration import RevisionCheck
@@ -27,7 +39,6 @@ from batchpilot_operator.tune.calibration import RevisionCheck
 
 def record_analysis(p: PlanState, a: AnalysisResult) -> None:
     lanes: list[LaneSummary] = []
-    earlier = _step_statements(p, a)
     for lane in a.lanes:
         # The lane's total, every objective; of a tenant slice only what holds against the
         # canary (Failed, Error, or a breach not yet pinned), so the ledger stays readable.
@@ -99,8 +110,7 @@ def record_analysis(p: PlanState, a: AnalysisResult) -> None:
                     p.spec.rollout.confidence,
                     gating_analyses(p.spec),
                     sequential_needed(p.spec, False),
-                    p.now,
-                    earlier.get(lane.lane),
+                    compared_windows(a.tally, lane_key(lane.lane, None)),
                 ),
                 **_model_summary(a, lane.lane),
             )
@@ -203,47 +213,27 @@ def _model_summary(a: AnalysisResult, lane: str) -> dict[str, Any]:
     }
 
 
-def _step_statements(p: PlanState, a: AnalysisResult) -> dict[str, LaneSummary]:
-    """The lanes of the last analysis of this step and revision whose p99 statement compared the
-    canary with the stable (``detects_as_of``): what a quiet window restates (:func:`_detectable`)."""
-    la, r = p.st.last_analysis, p.st.rollout
-    if la is None or r is None or la.revision != a.canary_revision or la.time < r.step_entered_at:
-        return {}
-    return {lane.lane: lane for lane in la.lanes if lane.detects_as_of is not None}
-
-
 def _detectable(
     lane: LaneVerdict,
     confidence: float,
     analyses: int,
     needed: float,
-    now: datetime,
-    earlier: LaneSummary | None = None,
+    compared: Sequence[ComparedWindow] = (),
 ) -> dict[str, object]:
     """The LaneSummary fields saying what the gate can see at this window's traffic (``power``)
     over the ``analyses`` windows the rollout's promoting tally can hold, with the evidence a
     rollback ``needed`` (``analysis.sequential_needed``): the smallest p99 regression and the
     smallest error rate.
 
-    With ``maxP99Increase``, a window whose stable is too quiet for a p99 compares nothing
-    (``analysis.STABLE_TOO_THIN``: it neither passes the step nor takes a pass back), so what
-    the step's verdict stands on is the last window that compared: its statement (``earlier``)
-    is restated with its time. From the quiet window alone the status said no 1.5x regression
-    was in reach in about a fifth of the demo's promoting analyses (docs/canary-analysis.md)."""
+    With ``maxP99Increase``, the relative objective's statement is of the step's windows that
+    compared the canary's p99 with the stable's (``compared``, kept beside the tally), each at
+    its own threshold, their requests projected to the tally the rollout can gather: the verdict
+    is on them, and one window's histogram read its few slowest requests (the status said +51%
+    for a window and +25% for the next of the same step). A window whose stable is too quiet to
+    compare (``analysis.STABLE_TOO_THIN``) restates them, saying as of when."""
     out: dict[str, object] = {}
     said: list[str] = []
     rel = lane.check("p99Increase")
-    then = earlier.detectable_p99_regression if earlier is not None else None
-    if rel is not None and rel.unjudged is not None and earlier is not None and then is not None:
-        out["detects_as_of"] = earlier.detects_as_of
-        out["detectable_p99_regression"] = then
-        at = earlier.detects_as_of.strftime("%H:%M:%S") if earlier.detects_as_of else "?"
-        said.append(
-            f"a p99 regression of {then:.0%} or more (as of the analysis at {at}: this window's stable was too "
-            "quiet to compare)"
-        )
-        _detectable_errors(lane, confidence, analyses, needed, out, said)
-        return out
     # The SLO's objective, and the relative one where the policy sets maxP99Increase: a
     # regression either fails is caught, so the smaller of the two is what the gate sees (the
     # relative one only with a stable p99 to compare with: its threshold is finite; at a step
@@ -252,21 +242,38 @@ def _detectable(
     found: float | None = None
     for metric in ("p99Latency", "p99Increase"):
         check, stable = lane.check(metric), lane.check(metric, "stable")
-        if check is None or not math.isfinite(check.threshold):
+        if check is None or not math.isfinite(check.threshold) or (metric == "p99Increase" and compared):
             continue
         x = lane_detectable_regression(check, stable, confidence, analyses, needed=needed)
         if x is not None:
             found = x if found is None else min(found, x)
+    as_of = ""
+    if compared:
+        scale = max(1.0, analyses / len(compared))  # the tally the rollout can gather, at these windows' mix
+        tally = Tally(
+            sum(w.canary_requests for w in compared) * scale,
+            sum(w.stable_requests for w in compared) * scale,
+            confidence,
+            P99_BUDGET,
+            POWER,
+            subwindows=max(1, round(len(compared) * scale * SLICES)),
+            needed=needed,
+            on_budget=True,  # the relative objective's gate reads the evidence over the budget
+        )
+        x = relative_detectable_regression(compared, tally)
+        found = x if found is None else min(found, x)
+        last = datetime.fromtimestamp(compared[-1].at, UTC)
+        out["detects_as_of"] = last
+        if rel is not None and rel.unjudged is not None:
+            as_of = f" (as of the analysis at {last:%H:%M:%S}: this window's stable was too quiet to compare)"
     if found is not None and math.isinf(found):
         why = "the stable is far under its SLO or the traffic is thin"
-        if lane.check("p99Increase") is not None:
+        if rel is not None:
             why = "the traffic is too thin"  # maxP99Increase: the stable's headroom does not matter
-        said.append(f"no p99 regression up to {LIMIT + 1:g}x ({why})")
+        said.append(f"no p99 regression up to {LIMIT + 1:g}x ({why}){as_of}")
     elif found is not None:
         out["detectable_p99_regression"] = found
-        said.append(f"a p99 regression of {found:.0%} or more")
-    if rel is not None and math.isfinite(rel.threshold):
-        out["detects_as_of"] = now  # compared the canary's p99 with the stable's: a quiet window restates it
+        said.append(f"a p99 regression of {found:.0%} or more{as_of}")
     _detectable_errors(lane, confidence, analyses, needed, out, said)
     return out
 
