@@ -46,7 +46,8 @@ def measured(
     stable_values: dict[str, float] | None = None,
 ) -> AnalysisResult:
     """An analysis of the status's canary, judged by the real verdict code. The stable is
-    healthy unless ``stable_values`` overrides its ``p99`` / ``queue_age`` (a breach both share)."""
+    healthy unless ``stable_values`` overrides its ``p99`` / ``queue_age`` (a breach both share)
+    or its ``samples`` (a quiet stable)."""
     target = rollout.analysis_target(status)
     assert target is not None, "no canary to analyse"
     canary, stable = target
@@ -64,8 +65,15 @@ def measured(
             lane_p99, lane_qa, lane_err, lane_error = 0.05, 0.005, 0.0, False
             lane_p99 = (stable_values or {}).get("p99", lane_p99)
             lane_qa = (stable_values or {}).get("queue_age", lane_qa)
+            lane_samples = (stable_values or {}).get("samples", lane_samples)
         for m in lq.metrics:
-            value = {"p99Latency": lane_p99, "queueAge": lane_qa, "errorRate": lane_err, "clientErrors": 0.0}[m.metric]
+            value = {
+                "p99Latency": lane_p99,
+                "p99Increase": lane_p99,  # the same series as the SLO's (maxP99Increase)
+                "queueAge": lane_qa,
+                "errorRate": lane_err,
+                "clientErrors": 0.0,
+            }[m.metric]
             if lane_error:
                 for q in (m.value, m.samples, m.bad):
                     ms[q] = Measurement(q, error="prometheus unreachable")

@@ -382,6 +382,27 @@ def test_a_stall_on_thin_traffic_says_what_would_gather_enough() -> None:
     assert "holding, not rolling back" in stalled.message
 
 
+def test_a_stall_on_a_quiet_stable_with_max_p99_increase_says_what_would_gather_enough() -> None:
+    # maxP99Increase compares the canary with the stable's p99 of each window; a stable of 20
+    # requests a 30 s window (minSamples 50) has none, so no window passes the step: the stall
+    # names the stable's rate and the interval that would give it a p99, not the canary's.
+    sim = healthy(make_spec(maxP99Increase=0.25, maxInconclusive=3))
+    start_canary(sim, at(0), make_spec(batch=16, maxP99Increase=0.25, maxInconclusive=3))
+    for i in range(1, 4):
+        d = sim.tick(at(30 * i), samples=500, stable_values={"samples": 20})
+        assert d.analysis_outcomes == ("Inconclusive",)
+    stalled = d.status.condition("Stalled")
+    assert stalled is not None and stalled.reason == "InconclusiveLimit", stalled
+    assert "lane interactive's stable got 20 requests in the last 30s window (0.67/s)" in stalled.message
+    assert "an analysisInterval of 75s or more gathers them, or a lower minSamples" in stalled.message
+    # The same quiet stable without maxP99Increase: judged on the SLOs, the step passes.
+    sim = healthy(make_spec(maxInconclusive=3))
+    start_canary(sim, at(0), make_spec(batch=16, maxInconclusive=3))
+    for i in range(1, 4):
+        d = sim.tick(at(30 * i), samples=500, stable_values={"samples": 20})
+    assert cond(d.status, "Stalled")[0] == "False"
+
+
 def test_nan_or_no_data_is_inconclusive_not_failed() -> None:
     sim = healthy(make_spec())
     start_canary(sim, at(0), make_spec(batch=16))

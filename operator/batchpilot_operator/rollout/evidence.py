@@ -139,6 +139,8 @@ def inconclusive_advice(p: PlanState) -> str:
     A canary too thin to judge (fewer than ``minSamples`` requests in its window and in the
     tally of its last analyses, ``analysis.check_metric``) gets the numbers: its rate in the
     last window, and the ``analysisInterval`` at which the tally would hold ``minSamples``.
+    With ``maxP99Increase``, a stable too quiet for a p99 of its own in every window (the
+    relative objective compares nothing: ``analysis.STABLE_TOO_THIN``) gets its numbers too.
     Otherwise the analyses saw breaches they could not pin on the canary (the stable breaching
     too, or the rollout's evidence still short): the last analysis says which."""
     spec = p.spec.rollout
@@ -146,6 +148,23 @@ def inconclusive_advice(p: PlanState) -> str:
     la = p.st.last_analysis
     thin = [lane for lane in la.lanes if (lane.samples or 0.0) < need] if la is not None else []
     hand = "holding, not rolling back (`kubectl batchpilot promote` or `abort` decides by hand)"
+    quiet = [
+        lane
+        for lane in (la.lanes if la is not None and spec.max_p99_increase is not None else [])
+        if lane not in thin and lane.stable_samples is not None and lane.stable_samples < need
+    ]
+    if quiet and not thin:
+        # maxP99Increase compares with the stable's p99 of each window (analysis.STABLE_TOO_THIN)
+        lane = min(quiet, key=lambda lane: lane.stable_samples or 0.0)
+        got = lane.stable_samples or 0.0
+        rate = got / spec.analysis_interval
+        text = (
+            f"lane {lane.lane}'s stable got {got:.0f} requests in the last {spec.analysis_interval:g}s window "
+            f"({rate:.2g}/s), fewer than minSamples ({need}) for a p99 to compare maxP99Increase with"
+        )
+        if rate > 0:
+            text += f": at this rate an analysisInterval of {math.ceil(need / rate)}s or more gathers them"
+        return f"{text}, or a lower minSamples; {hand}"
     if not thin:
         evidence = last_evidence(p)
         return f"breaches the analyses could not pin on the canary ({evidence}); {hand}"
