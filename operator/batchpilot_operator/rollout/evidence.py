@@ -156,32 +156,37 @@ def inconclusive_advice(p: PlanState) -> str:
     if quiet and not thin:
         # maxP99Increase compares with the stable's p99 of each window (analysis.STABLE_TOO_THIN)
         lane = min(quiet, key=lambda lane: lane.stable_samples or 0.0)
-        got = lane.stable_samples or 0.0
-        rate = got / spec.analysis_interval
+        got, interval = _got(spec.analysis_interval, lane.stable_samples, need, 1)
         text = (
-            f"lane {lane.lane}'s stable got {got:.0f} requests in the last {spec.analysis_interval:g}s window "
-            f"({rate:.2g}/s), fewer than minSamples ({need}) for a p99 to compare maxP99Increase with"
+            f"lane {lane.lane}'s stable got {got}, fewer than minSamples ({need}) for a p99 to compare "
+            "maxP99Increase with"
         )
-        if rate > 0:
-            text += f": at this rate an analysisInterval of {math.ceil(need / rate)}s or more gathers them"
-        return f"{text}, or a lower minSamples; {hand}"
+        return f"{text}{interval}, or a lower minSamples; {hand}"
     if not thin:
         evidence = last_evidence(p)
         return f"breaches the analyses could not pin on the canary ({evidence}); {hand}"
     lane = min(thin, key=lambda lane: lane.samples or 0.0)
-    got = lane.samples or 0.0
-    rate = got / spec.analysis_interval
+    got, interval = _got(spec.analysis_interval, lane.samples, need, TALLY_ANALYSES)
     text = (
-        f"lane {lane.lane}'s canary got {got:.0f} requests in the last {spec.analysis_interval:g}s window "
-        f"({rate:.2g}/s); a verdict needs minSamples ({need}) in a window or in the tally of its last "
-        f"{TALLY_ANALYSES}"
+        f"lane {lane.lane}'s canary got {got}; a verdict needs minSamples ({need}) in a window or in the tally "
+        f"of its last {TALLY_ANALYSES}"
     )
-    if rate > 0:
-        interval = math.ceil(need / (rate * TALLY_ANALYSES))
-        text += f": at this rate an analysisInterval of {interval}s or more gathers them, or a larger step weight"
+    if interval:
+        text += f"{interval}, or a larger step weight"
     else:
         text += ": the canary got no request; check the route's weights and the canary pods"
     return f"{text}; {hand}"
+
+
+def _got(window: float, requests: float | None, need: int, windows: int) -> tuple[str, str]:
+    """A track's requests in the last ``window`` seconds in words, and the analysisInterval at
+    which ``windows`` windows at that rate gather ``need`` (empty at no traffic)."""
+    got = requests or 0.0
+    rate = got / window
+    said = f"{got:.0f} requests in the last {window:g}s window ({rate:.2g}/s)"
+    if rate <= 0:
+        return said, ""
+    return said, f": at this rate an analysisInterval of {math.ceil(need / (rate * windows))}s or more gathers them"
 
 
 def json_float(value: float | None) -> float | None:
