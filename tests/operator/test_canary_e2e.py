@@ -106,7 +106,16 @@ def test_canary_promotes_good_change_and_rolls_back_bad_one(scenario: Scenario) 
     failed = s.ledger.entries(revision=bad, outcome="Failed")
     assert failed, rolled["ledger"]
     assert all(e["value"] > e["threshold"] for e in failed)
-    assert {e["metric"] for e in failed} == {"p99Latency", "queueAge"}
+    # The queue age of every request that opens a batch is the whole 110 ms window: over its
+    # 60 ms objective in full, it fails every analysis with data. The p99 breaches in each of them
+    # too (its value over 120 ms, never Successful), but its count over 120 ms is interpolated
+    # inside the 100-150 ms bucket, about a third of the queue age's: in a thin first window its
+    # evidence can fall short of the sequential gate while the queue age's clears it, and the two
+    # queue-age failures roll the canary back first (CI, 2026-12-07: only queueAge Failed).
+    assert "queueAge" in {e["metric"] for e in failed}
+    for at in {e["time"] for e in failed}:
+        (p99,) = s.ledger.entries(revision=bad, time=at, metric="p99Latency", lane="interactive")
+        assert p99["value"] > p99["threshold"] and p99["outcome"] in ("Failed", "Inconclusive"), p99
     # Each Failed entry carries the verdict's evidence: the share of requests over the
     # objective on both tracks and the confidence of the test that decided, in words and as
     # fields. Worse than the stable decides; over the budget only while the stable has too few
