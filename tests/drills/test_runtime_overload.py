@@ -173,6 +173,11 @@ def test_retry_storm_60s(server: RuntimeServer, drill: Drill, mode: str) -> None
     retry_storm(server, drill, mode, 60.0)
 
 
+# Alone: both runtimes carry a quarter of a capacity measured seconds before, and the other
+# runtime must answer 95% of it. Beside the operator's half of the suite on 2 cores the machine's
+# share for them fell mid-load (make test, 2026-12-07: the other runtime answered 191 of its 360
+# requests, 162 timed out at its 1 s requestTimeout); alone it passed 3 of 3.
+@pytest.mark.alone
 def test_runtime_killed_mid_batch(tmp_path: Path, drill: Drill) -> None:
     """Two runtimes under load; one is SIGKILLed mid-batch: only its own requests fail."""
     drill.fault = "SIGKILL of one of two runtime processes under load (mid-batch)"
