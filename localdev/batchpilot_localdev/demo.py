@@ -392,6 +392,11 @@ def write_report(demo: Demo, final_status: dict[str, Any], out: Path) -> Path:
         demo.collector.poll()
         ledger = sorted(demo.analyses.values(), key=lambda e: str(e.get("time")))
         model_rows = window_rows(demo.collector, ledger, data.start)
+        # What the rows were computed from, so that a change to the model can be replayed on a run
+        # already made: every pod's arrivals and outcomes, settings and profile, and the analyses.
+        (out / "captures.json").write_text(
+            json.dumps(demo.collector.dump() | {"analyses": ledger, "start": data.start})
+        )
     (out / "model.json").write_text(json.dumps(model_rows, indent=2, default=str))
     (out / "summary.txt").write_text(
         summary_table(data.summary)

@@ -63,6 +63,37 @@ class OutcomeCollector:
         self._thread.join(timeout=30)
         self.poll()  # the last seconds
 
+    def dump(self) -> dict[str, Any]:
+        """Every pod's record as JSON (``arrivals``: per lane, ``[time, rows, latency, queue wait]``
+        rows); :meth:`load` reads it back."""
+        return {
+            "pods": [
+                {
+                    "pod": p.pod,
+                    "revision": p.revision,
+                    "track": p.track,
+                    "settings": p.settings,
+                    "profile": p.profile,
+                    "arrivals": {lane: [[t, *v] for t, v in sorted(held.items())] for lane, held in p.arrivals.items()},
+                }
+                for p in self.pods.values()
+            ]
+        }
+
+    @staticmethod
+    def load(doc: dict[str, Any]) -> dict[str, PodRecord]:
+        """The pods of a :meth:`dump`."""
+        pods: dict[str, PodRecord] = {}
+        for d in doc["pods"]:
+            rec = PodRecord(d["pod"], d["revision"], d["track"], d["settings"], d["profile"])
+            for lane, rows in d["arrivals"].items():
+                rec.arrivals[lane] = {
+                    float(t): [int(r), None if lat is None else float(lat), None if w is None else float(w)]
+                    for t, r, lat, w in rows
+                }
+            pods[rec.pod] = rec
+        return pods
+
     def _loop(self) -> None:
         while not self._stop.wait(self.interval):
             self.poll()

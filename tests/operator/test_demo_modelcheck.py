@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 from datetime import UTC, datetime
 from typing import Any
 
@@ -84,6 +85,24 @@ def test_each_analysis_window_gets_the_model_against_each_track() -> None:
     table = window_table(rows)
     assert "model p99" in table and "1 of 2 windows within 20%" in table
     assert "SLO" not in table  # said only when asked, with the SLO
+
+
+def test_a_runs_captures_read_back_give_the_same_rows() -> None:
+    """report/captures.json (``dump``, through JSON) replays a run already made: ``load`` gives
+    back pods from which the rows come out the same, a request never answered included."""
+    collector = OutcomeCollector(lambda: [])
+    collector.pods = {"s1": pod("s1", "good", "stable", 1.0, seed=1), "c1": pod("c1", "bad", "canary", 2.0, seed=2)}
+    held = collector.pods["c1"].arrivals["interactive"]
+    held[max(held)] = [1, float("inf"), 0.0]  # timed out
+    held[max(held) + 0.001] = [2, None, None]  # still unanswered when the run ended
+    ledger = [analysis(40.0), analysis(60.0)]
+    doc = json.loads(json.dumps(collector.dump()))
+    back = OutcomeCollector(lambda: [])
+    back.pods = OutcomeCollector.load(doc)
+    assert back.pods.keys() == collector.pods.keys()
+    for name, rec in collector.pods.items():
+        assert back.pods[name] == rec
+    assert window_rows(back, ledger, start=T0) == window_rows(collector, ledger, start=T0)
 
 
 def test_the_stables_breaches_are_told_with_the_burst_they_came_in() -> None:
