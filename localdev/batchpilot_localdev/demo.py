@@ -17,6 +17,7 @@ this module runs it (:func:`run_demo`) and writes its report (:func:`write_repor
 from __future__ import annotations
 
 import contextlib
+import fcntl
 import json
 import math
 import re
@@ -28,7 +29,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field
 from datetime import datetime
 from pathlib import Path
-from typing import Any
+from typing import IO, Any
 
 import yaml
 from rich.console import Console
@@ -409,8 +410,31 @@ def write_report(demo: Demo, final_status: dict[str, Any], out: Path) -> Path:
     return png
 
 
+def hold_workdir(workdir: Path) -> IO[str] | None:
+    """The demo's lock on ``workdir`` (a file beside it: the run deletes the directory), or None
+    while another run holds it. A second demo on the same directory deleted the first one's
+    cluster, TSDB and report under it (the first then failed writing report.png)."""
+    workdir.parent.mkdir(parents=True, exist_ok=True)
+    lock = (workdir.parent / f".{workdir.name}.lock").open("w")
+    try:
+        fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        lock.close()
+        return None
+    return lock
+
+
 def run_demo(workdir: Path, rate: float, trace: Path, real_node: bool = False) -> int:
     console = Console(soft_wrap=True)
+    lock = hold_workdir(workdir)
+    if lock is None:
+        console.print(f"another demo runs in {workdir}: wait for it to finish (or stop it), then run this again")
+        return 2
+    with lock:
+        return _run_demo(console, workdir, rate, trace, real_node)
+
+
+def _run_demo(console: Console, workdir: Path, rate: float, trace: Path, real_node: bool) -> int:
     t0 = time.monotonic()
     if workdir.exists():
         shutil.rmtree(workdir)  # a previous run's cluster, TSDB and logs: start clean

@@ -22,6 +22,8 @@ from batchpilot_localdev.demo import (
     THROUGHPUT,
     ReportData,
     draw_report,
+    hold_workdir,
+    run_demo,
     stack_labels,
     summarize,
     summary_table,
@@ -271,3 +273,21 @@ def test_the_demo_applies_what_git_holds_and_on_the_real_node_only_smaller_pods(
     on_kwok, on_node = revisions(False), revisions(True)
     assert len(set(on_kwok)) == len(set(on_node)) == len(CHANGES)  # three revisions either way
     assert not set(on_kwok) & set(on_node)
+
+
+def test_a_second_demo_on_the_same_workdir_touches_nothing(tmp_path: Path) -> None:
+    """While one demo holds its workdir, another on it says so and leaves the first's files."""
+    workdir = tmp_path / "demo"
+    first = hold_workdir(workdir)
+    assert first is not None
+    workdir.mkdir()
+    (workdir / "report.png").write_text("the first run's")
+    try:
+        assert hold_workdir(workdir) is None
+        assert run_demo(workdir, 24.0, tmp_path / "no-trace.csv") == 2
+        assert (workdir / "report.png").read_text() == "the first run's"
+    finally:
+        first.close()
+    again = hold_workdir(workdir)  # released with the first run
+    assert again is not None
+    again.close()
