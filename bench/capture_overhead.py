@@ -68,7 +68,7 @@ def memory_and_cost() -> dict[str, Any]:
     outcome = cap.record_outcome
     t0 = time.perf_counter()
     for k in range(n):
-        outcome(0, float(k), 0.01, 0.002)
+        outcome(0, float(k), 0.01, 0.002, 0.005, 0.0003)  # latency, queue wait, pass, hand-off
     per_outcome = (time.perf_counter() - t0) / n
     t0 = time.perf_counter()
     for _k in range(n):

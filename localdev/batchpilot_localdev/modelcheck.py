@@ -26,9 +26,10 @@ from dataclasses import dataclass, field
 from datetime import datetime
 from typing import Any
 
-from batchpilot_operator.tune.calibration import LaneCalibration
+from batchpilot_operator.tune.calibration import QUANTILE, LaneCalibration
 from batchpilot_operator.tune.captures import MergedTraffic, merge_profiles
 from batchpilot_operator.tune.live import calibrate
+from batchpilot_operator.tune.simulator import nearest_rank
 
 _RANGE = re.compile(r"\[(\d+(?:\.\d+)?)s\]")
 
@@ -40,7 +41,8 @@ class PodRecord:
     track: str
     settings: dict[str, dict[str, Any]] = field(default_factory=dict)  # lane -> settings
     profile: dict[str, Any] | None = None
-    # lane -> arrival time -> (rows, latency or None while unanswered, queue wait)
+    # lane -> arrival time -> [rows, latency or None while unanswered, queue wait, its batch's
+    # pass, the answer's hand-off to the loop] (the last two None: not served, or not recorded)
     arrivals: dict[str, dict[float, list[Any]]] = field(default_factory=dict)
 
 
@@ -88,8 +90,7 @@ class OutcomeCollector:
             rec = PodRecord(d["pod"], d["revision"], d["track"], d["settings"], d["profile"])
             for lane, rows in d["arrivals"].items():
                 rec.arrivals[lane] = {
-                    float(t): [int(r), None if lat is None else float(lat), None if w is None else float(w)]
-                    for t, r, lat, w in rows
+                    float(t): [int(r), *(None if v is None else float(v) for v in rest)] for t, r, *rest in rows
                 }
             pods[rec.pod] = rec
         return pods
@@ -116,14 +117,19 @@ class OutcomeCollector:
             held = rec.arrivals.setdefault(name, {})
             base = float(lane.get("base", 0.0))
             for t, rows in zip(lane.get("times", []), lane.get("rows", []), strict=True):
-                held.setdefault(round(base + float(t), 6), [int(rows), None, None])
+                held.setdefault(round(base + float(t), 6), [int(rows), None, None, None, None])
             out = lane.get("outcomes") or {}
-            for t, lat, wait in zip(
-                out.get("times", []), out.get("latency", []), out.get("queueWait", []), strict=True
+            times = out.get("times", [])
+            after = zip(out.get("pass") or [None] * len(times), out.get("handoff") or [None] * len(times), strict=True)
+            for t, lat, wait, (pass_s, handoff) in zip(
+                times, out.get("latency", []), out.get("queueWait", []), after, strict=True
             ):
-                entry = held.setdefault(round(base + float(t), 6), [1, None, None])
-                entry[1] = float("inf") if float(lat) < 0 else float(lat)
+                entry = held.setdefault(round(base + float(t), 6), [1, None, None, None, None])
+                served = float(lat) >= 0
+                entry[1] = float(lat) if served else float("inf")
                 entry[2] = float(wait)
+                entry[3] = float(pass_s) if served and pass_s is not None else None
+                entry[4] = float(handoff) if served and handoff is not None else None
 
 
 def _get(url: str) -> Any:
@@ -151,12 +157,17 @@ def check_window(pods: Sequence[PodRecord], lane: str, start: float, end: float)
         return None
     pairs: list[tuple[float, int]] = []
     outcomes: list[tuple[float, float, float]] = []
+    parts: dict[str, list[float]] = {"wait": [], "pass": [], "handoff": []}  # of the served requests
     for p in pods:
-        for t, (rows, lat, wait) in p.arrivals[lane].items():
+        for t, (rows, lat, wait, *after) in p.arrivals[lane].items():
             if start <= t <= end:
                 pairs.append((t, rows))
                 if lat is not None:
                     outcomes.append((t, lat, wait))
+                if len(after) == 2 and after[0] is not None and after[1] is not None:
+                    parts["wait"].append(wait)
+                    parts["pass"].append(after[0])
+                    parts["handoff"].append(after[1])
     pairs.sort()
     settings_ran: list[dict[str, Any]] = []
     for p in pods:
@@ -178,6 +189,11 @@ def check_window(pods: Sequence[PodRecord], lane: str, start: float, end: float)
     cal = calibrate(traffic, profile, LaneCalibration())
     # The window's burst, which its mean rate averages away (the busiest second, per pod).
     served = {"revisions": traffic.revisions, "pods": len(pods), "peakPerPod": traffic.peak_row_rate() / len(pods)}
+    # Where the pods' time went (p99 of each part over the served requests, seconds): in the
+    # queue, in its batch's pass, in the answer's hand-off to the event loop. A pass far over the
+    # profile's, or a long hand-off, is the machine's, not the model's queue (docs/tuning.md).
+    if parts["wait"]:
+        served["observedParts"] = {k: nearest_rank(sorted(v), QUANTILE) for k, v in parts.items()}
     got = cal.last
     if got is None:
         return served | {"requests": len(outcomes), "skipped": cal.skipped}
@@ -246,8 +262,16 @@ def stable_over_slo(rows: Sequence[dict[str, Any]], slo: float) -> str:
     head = f"stable over its {slo * 1e3:g}ms SLO in {len(over)} of {len(stable)} windows"
     if not over or median <= 0:
         return head
-    at = ", ".join(f"t={r['t']:.0f}s {peak[id(r)] / median:.1f}x" for r in over)
+    at = ", ".join(f"t={r['t']:.0f}s {peak[id(r)] / median:.1f}x{_parts(r)}" for r in over)
     return f"{head}, in these bursts (busiest second per pod against the median window's): {at}"
+
+
+def _parts(row: dict[str, Any]) -> str:
+    """The pods' p99 of queue wait, pass and hand-off in a window, where they recorded them."""
+    parts = row.get("observedParts")
+    if not parts:
+        return ""
+    return f" (p99 queue {parts['wait'] * 1e3:.0f} ms, pass {parts['pass'] * 1e3:.0f} ms, hand-off {parts['handoff'] * 1e3:.0f} ms)"
 
 
 def window_table(rows: Sequence[dict[str, Any]], slo: float | None = None) -> str:

@@ -4,13 +4,15 @@
   *admitted* request) in a preallocated ring, bounded by count (``capacity``; the oldest entry
   is overwritten) and by age (entries older than ``max_age`` seconds are never served). Memory
   is fixed at start: 12 bytes per slot (a float64 time and an int32 row count), so the default
-  65,536 slots cost 768 KiB per lane (1.75 MiB with the outcomes below). Recording is two array stores and an increment on the
+  65,536 slots cost 768 KiB per lane (2.25 MiB with the outcomes below). Recording is two array stores and an increment on the
   event loop (no lock: only the loop writes, and snapshots run on the loop too).
 * :class:`OutcomeRing`: what became of the same lane's admitted requests (arrival time, latency
-  as the server measured it, queue wait at dispatch; a request that timed out or failed has
-  latency -1), recorded when each is answered, with the same bounds (16 bytes a slot). The
-  operator compares them with what the tuner's model predicts for the same arrivals: the
-  model's measured error (:mod:`batchpilot_operator.tune.calibration`).
+  as the server measured it, queue wait at dispatch, its batch's pass and the answer's hand-off
+  to the event loop; a request that timed out or failed has latency, pass and hand-off -1),
+  recorded when each is answered, with the same bounds (24 bytes a slot). The operator compares
+  them with what the tuner's model predicts for the same arrivals: the model's measured error
+  (:mod:`batchpilot_operator.tune.calibration`); the pass and hand-off tell a slow pass or loop
+  from a wrong queue.
 * :class:`LiveProfile`: forward time per batch size, from timed passes at warm-up and from
   live batches (the last ``per_size`` samples of each size), rendered in the format
   ``batchpilot profile`` writes (a ``LatencyProfile``), so the profile comes from the hardware
@@ -53,7 +55,7 @@ WARMUP_PASSES = 3
 """Timed passes per warm batch size at start-up (after the untimed warm-up pass)."""
 RECENT_SAMPLES = 4096
 ARRIVAL_SLOT_BYTES = 12
-OUTCOME_SLOT_BYTES = 16
+OUTCOME_SLOT_BYTES = 24
 SLOT_BYTES = ARRIVAL_SLOT_BYTES + OUTCOME_SLOT_BYTES
 """Bytes per slot of one lane: its arrival and its outcome."""
 FAILED = -1.0
@@ -107,6 +109,10 @@ class ArrivalRing:
         return times[keep], rows[keep]
 
 
+def _seconds(values: np.ndarray[Any, Any]) -> list[float]:
+    return list(np.round(values.astype(np.float64), 6).tolist())
+
+
 def _horizon(now: float, max_age: float, since: float | None) -> float:
     """The oldest time a snapshot serves: ``max_age`` ago, or ``since`` ago if that is later."""
     return now - max_age if since is None else max(now - max_age, now - since)
@@ -125,9 +131,13 @@ def _held(total: int, capacity: int, *buffers: array[Any]) -> list[np.ndarray[An
 
 
 class OutcomeRing:
-    """A fixed-size ring of (arrival time, latency, queue wait) of answered requests."""
+    """A fixed-size ring of (arrival time, latency, queue wait, pass, hand-off) of answered
+    requests: the latency's parts after the batch is cut, its batch's forward pass and the time
+    the answer then took to reach the request's handler on the event loop (what a profile's
+    pass time cannot say of a loaded machine: docs/tuning.md "Where the demo's windows miss");
+    both :data:`FAILED` for a request that was not served."""
 
-    __slots__ = ("arrivals", "capacity", "latencies", "max_age", "total", "waits")
+    __slots__ = ("arrivals", "capacity", "handoffs", "latencies", "max_age", "passes", "total", "waits")
 
     def __init__(self, capacity: int = DEFAULT_CAPACITY, max_age: float = DEFAULT_MAX_AGE) -> None:
         if capacity < 1:
@@ -137,29 +147,36 @@ class OutcomeRing:
         self.arrivals = array("d", bytes(8 * capacity))
         self.latencies = array("f", bytes(4 * capacity))
         self.waits = array("f", bytes(4 * capacity))
+        self.passes = array("f", bytes(4 * capacity))
+        self.handoffs = array("f", bytes(4 * capacity))
         self.total = 0
 
-    def record(self, arrival: float, latency: float, wait: float) -> None:
+    def record(
+        self, arrival: float, latency: float, wait: float, pass_s: float = FAILED, handoff: float = FAILED
+    ) -> None:
         i = self.total % self.capacity
         self.arrivals[i] = arrival
         self.latencies[i] = latency
         self.waits[i] = wait
+        self.passes[i] = pass_s
+        self.handoffs[i] = handoff
         self.total += 1
 
     @property
     def nbytes(self) -> int:
-        return sum(a.itemsize * len(a) for a in (self.arrivals, self.latencies, self.waits))
+        return sum(a.itemsize * len(a) for a in self._buffers())
 
-    def snapshot_arrays(
-        self, now: float, since: float | None = None
-    ) -> tuple[np.ndarray[Any, Any], np.ndarray[Any, Any], np.ndarray[Any, Any]]:
+    def _buffers(self) -> tuple[array[Any], ...]:
+        return (self.arrivals, self.latencies, self.waits, self.passes, self.handoffs)
+
+    def snapshot_arrays(self, now: float, since: float | None = None) -> list[np.ndarray[Any, Any]]:
         """Held outcomes whose request arrived no earlier than ``max_age`` (and ``since``) ago,
-        in arrival order."""
-        arrivals, latencies, waits = _held(self.total, self.capacity, self.arrivals, self.latencies, self.waits)
-        keep = arrivals >= _horizon(now, self.max_age, since)
-        arrivals, latencies, waits = arrivals[keep], latencies[keep], waits[keep]
-        by_arrival = np.argsort(arrivals, kind="stable")
-        return arrivals[by_arrival], latencies[by_arrival], waits[by_arrival]
+        in arrival order: arrivals, latencies, queue waits, passes, hand-offs."""
+        held = _held(self.total, self.capacity, *self._buffers())
+        keep = held[0] >= _horizon(now, self.max_age, since)
+        held = [a[keep] for a in held]
+        by_arrival = np.argsort(held[0], kind="stable")
+        return [a[by_arrival] for a in held]
 
 
 def _quantile(sorted_values: Sequence[float], q: float) -> float:
@@ -421,11 +438,14 @@ class Capture:
         if self.enabled:
             self.rings[lane].record(t, rows)
 
-    def record_outcome(self, lane: int, arrival: float, latency: float, wait: float) -> None:
-        """One admitted request answered: its latency (:data:`FAILED` when it was not served)
-        and its queue wait at dispatch (hot path: on the event loop, after the answer)."""
+    def record_outcome(
+        self, lane: int, arrival: float, latency: float, wait: float, pass_s: float = FAILED, handoff: float = FAILED
+    ) -> None:
+        """One admitted request answered: its latency (:data:`FAILED` when it was not served),
+        its queue wait at dispatch, its batch's pass and the answer's hand-off to the event loop
+        (:data:`FAILED` when not served; hot path: on the event loop, after the answer)."""
         if self.enabled:
-            self.outcomes[lane].record(arrival, latency, wait)
+            self.outcomes[lane].record(arrival, latency, wait, pass_s, handoff)
 
     @property
     def nbytes(self) -> int:
@@ -481,14 +501,17 @@ class Capture:
         }
 
     def _outcomes_entry(self, lane: int, now: float, since: float | None, offset: float, base: float) -> dict[str, Any]:
-        """Answered requests of the window: arrival offsets from ``base`` (as ``times``), latency
-        and queue wait in seconds (latency -1: admitted, not served)."""
-        arrivals, latencies, waits = self.outcomes[lane].snapshot_arrays(now, since)
+        """Answered requests of the window: arrival offsets from ``base`` (as ``times``), latency,
+        queue wait, the batch's pass and the answer's hand-off to the loop in seconds (latency,
+        pass and hand-off -1: admitted, not served)."""
+        arrivals, latencies, waits, passes, handoffs = self.outcomes[lane].snapshot_arrays(now, since)
         return {
             "recorded": self.outcomes[lane].total,
             "times": np.round(arrivals + (offset - base), 6).tolist(),
-            "latency": np.round(latencies.astype(np.float64), 6).tolist(),
-            "queueWait": np.round(waits.astype(np.float64), 6).tolist(),
+            "latency": _seconds(latencies),
+            "queueWait": _seconds(waits),
+            "pass": _seconds(passes),
+            "handoff": _seconds(handoffs),
         }
 
     def profile_doc(self, device: str, threads: int | None) -> dict[str, Any]:

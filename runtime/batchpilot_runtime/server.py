@@ -337,6 +337,7 @@ class Runtime:
         req.timer = loop.call_later(max(remaining, 0.0), self._on_timer, req)
         try:
             kind, payload, batch_rows = await fut
+            woke = time.perf_counter()
         except asyncio.CancelledError:
             self.worker.withdraw(req, State.CANCELLED)  # a handler cancelled mid-wait is never run
             raise
@@ -363,10 +364,15 @@ class Runtime:
         elapsed = time.perf_counter() - arrival
         latency.observe(elapsed)
         wait = req.dispatched_at - arrival if req.dispatched_at > 0 else elapsed
-        self.capture.record_outcome(idx, arrival, elapsed if kind == _OK else FAILED, wait)
         if kind == _OK:
+            # After the cut: the batch's pass, and the rest until this handler ran again (the
+            # worker's bookkeeping and the event loop's delay in taking the answer).
+            handoff = woke - req.dispatched_at - req.exec_s
+            self.capture.record_outcome(idx, arrival, elapsed, wait, req.exec_s, handoff)
             # Outside the queue and the model: parsing, the hand-offs, the answer (the profile's requestOverhead).
             self.capture.overhead.add(elapsed - wait - req.exec_s)
+        else:
+            self.capture.record_outcome(idx, arrival, FAILED, wait)
         # The server's own view of the request's time (W3C Server-Timing): from the handler's
         # start to the answer, what requestTimeout bounds; a client's measurement adds transit.
         resp.headers["Server-Timing"] = f"total;dur={elapsed * 1000:.3f}"

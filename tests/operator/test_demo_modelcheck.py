@@ -93,8 +93,12 @@ def test_a_runs_captures_read_back_give_the_same_rows() -> None:
     collector = OutcomeCollector(lambda: [])
     collector.pods = {"s1": pod("s1", "good", "stable", 1.0, seed=1), "c1": pod("c1", "bad", "canary", 2.0, seed=2)}
     held = collector.pods["c1"].arrivals["interactive"]
-    held[max(held)] = [1, float("inf"), 0.0]  # timed out
-    held[max(held) + 0.001] = [2, None, None]  # still unanswered when the run ended
+    # Served requests as a runtime records them now: the batch's pass and the answer's hand-off
+    # too, a tenth of the request's time after its queue wait each (s1 keeps the older form).
+    for entry in held.values():
+        entry += [(entry[1] - entry[2]) / 10, (entry[1] - entry[2]) / 10]
+    held[max(held)] = [1, float("inf"), 0.0, None, None]  # timed out
+    held[max(held) + 0.001] = [2, None, None, None, None]  # still unanswered when the run ended
     ledger = [analysis(40.0), analysis(60.0)]
     doc = json.loads(json.dumps(collector.dump()))
     back = OutcomeCollector(lambda: [])
@@ -102,7 +106,13 @@ def test_a_runs_captures_read_back_give_the_same_rows() -> None:
     assert back.pods.keys() == collector.pods.keys()
     for name, rec in collector.pods.items():
         assert back.pods[name] == rec
-    assert window_rows(back, ledger, start=T0) == window_rows(collector, ledger, start=T0)
+    rows = window_rows(collector, ledger, start=T0)
+    assert window_rows(back, ledger, start=T0) == rows
+    # Where the canary's time went, from its parts (the stable's pod recorded none).
+    canary = [r for r in rows if r["track"] == "canary"]
+    assert canary and all(set(r["observedParts"]) == {"wait", "pass", "handoff"} for r in canary)
+    assert all(r["observedParts"]["pass"] == r["observedParts"]["handoff"] > 0 for r in canary)
+    assert not any("observedParts" in r for r in rows if r["track"] == "stable")
 
 
 def test_the_stables_breaches_are_told_with_the_burst_they_came_in() -> None:
@@ -134,9 +144,12 @@ def test_the_stables_breaches_are_told_with_the_burst_they_came_in() -> None:
         },
         row(80, 0.0, None),  # no requests answered: not a window of the stable's
     ]
+    rows[2]["observedParts"] = {"wait": 0.03, "pass": 0.09, "handoff": 0.04}
     line = stable_over_slo(rows, 0.12)
     assert line.startswith("stable over its 120ms SLO in 2 of 3 windows")
-    assert "t=40s 2.0x" in line and "t=60s 1.0x" in line and "t=20s" not in line
+    assert "t=40s 2.0x, " in line and "t=20s" not in line
+    # a breach at the median burst, with where its time went: the pass, not the queue
+    assert "t=60s 1.0x (p99 queue 30 ms, pass 90 ms, hand-off 40 ms)" in line
     assert stable_over_slo(rows[:1], 0.12) == "stable over its 120ms SLO in 0 of 1 windows"
     assert stable_over_slo([], 0.12) == ""
     assert line in window_table(rows, 0.12)

@@ -81,15 +81,24 @@ def test_outcome_ring_serves_the_window_in_arrival_order_with_fixed_memory() -> 
     # keeps the 8 newest answers.
     for k in range(12):
         arrival = float(k if k % 2 else k + 1.5)
-        ring.record(arrival, 0.01 * k if k != 9 else FAILED, 0.001 * k)
+        if k == 9:
+            ring.record(arrival, FAILED, 0.001 * k)
+        else:
+            ring.record(arrival, 0.01 * k, 0.001 * k, 0.002 * k, 0.0001 * k)
     assert ring.nbytes == before == 8 * OUTCOME_SLOT_BYTES
-    arrivals, latencies, waits = ring.snapshot_arrays(now=20.0)
+    arrivals, latencies, waits, passes, handoffs = ring.snapshot_arrays(now=20.0)
     assert arrivals.tolist() == sorted(arrivals.tolist()) and len(arrivals) == 8
-    held = {a: (lat, w) for a, lat, w in zip(arrivals.tolist(), latencies.tolist(), waits.tolist(), strict=True)}
-    assert held[9.0][0] == FAILED  # not served: recorded as such, not dropped
-    assert held[7.0] == pytest.approx((0.07, 0.007))
+    held = {
+        a: rest
+        for a, *rest in zip(
+            arrivals.tolist(), latencies.tolist(), waits.tolist(), passes.tolist(), handoffs.tolist(), strict=True
+        )
+    }
+    # not served: recorded as such, not dropped; nor a pass nor a hand-off
+    assert held[9.0][0] == held[9.0][2] == held[9.0][3] == FAILED
+    assert held[7.0] == pytest.approx((0.07, 0.007, 0.014, 0.0007))
     assert 0.0 not in held and 1.0 not in held  # the oldest answers were overwritten
-    arrivals, _, _ = ring.snapshot_arrays(now=20.0, since=10.0)
+    arrivals, *_ = ring.snapshot_arrays(now=20.0, since=10.0)
     assert arrivals.tolist() == [11.0, 11.5]
 
 
@@ -394,8 +403,12 @@ def test_arrivals_endpoint_serves_what_was_admitted(server: Server) -> None:
     out = lanes["interactive"]["outcomes"]
     assert out["recorded"] == lanes["interactive"]["recorded"]
     assert out["times"][-3:] == times[-3:]
-    for latency, wait in zip(out["latency"][-3:], out["queueWait"][-3:], strict=True):
+    # After the cut, the batch's pass and the answer's hand-off to the loop: within the latency.
+    for latency, wait, pass_s, handoff in zip(
+        out["latency"][-3:], out["queueWait"][-3:], out["pass"][-3:], out["handoff"][-3:], strict=True
+    ):
         assert 0 <= wait <= latency < 5.0
+        assert pass_s > 0 and handoff >= 0 and wait + pass_s + handoff <= latency + 1e-5  # rounded to 1 us
     # Wall-clock times: the last arrival happened within the last minute.
     assert abs(lanes["interactive"]["base"] + times[-1] - doc["capturedAt"]) < 60
     # A lane filter and a since filter.
