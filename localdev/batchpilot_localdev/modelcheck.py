@@ -66,8 +66,8 @@ class OutcomeCollector:
         self.poll()  # the last seconds
 
     def dump(self) -> dict[str, Any]:
-        """Every pod's record as JSON (``arrivals``: per lane, ``[time, rows, latency, queue wait]``
-        rows); :meth:`load` reads it back."""
+        """Every pod's record as JSON (``arrivals``: per lane, ``[time, rows, latency, queue wait,
+        pass, hand-off]`` rows, as :class:`PodRecord` holds them); :meth:`load` reads it back."""
         return {
             "pods": [
                 {
