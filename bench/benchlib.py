@@ -349,18 +349,49 @@ def model_ceiling(
     return out
 
 
-def pin_for_bench(mode: str) -> bool:
-    """``--pin auto|on|off``: whether the runtime gets the cores after the first and this process
-    (and the load generators it starts) core 0. ``auto`` pins on 4 cores or more: on 2, pinning
-    the server and its model process to one core would make them contend."""
-    pin = mode == "on" or (mode == "auto" and (os.cpu_count() or 1) >= 4)
-    if pin:
+PIN_MODES = ("auto", "on", "split", "off")
+
+
+def pin_for_bench(mode: str) -> str:
+    """``--pin auto|on|split|off``: where the runtime under test and the load generator run; the
+    layout chosen (``on``, ``split`` or ``off``), for the JSON. ``on``: the runtime's processes on
+    the cores after the first, this process (and the load generators it starts) on core 0.
+    ``split``: the runtime's model process alone on the cores after the first, its server process
+    (the HTTP loop and the worker thread) on core 0 beside the load generator, so that no pass
+    shares a core with the traffic, as a pod's passes do not on its accelerator. ``auto``: ``on``
+    on 4 cores or more, ``split`` on 2 or 3 (``on`` would make the server and its model process
+    share one core), ``off`` on 1. Apply it to each runtime with :func:`pin_runtime`."""
+    cores = os.cpu_count() or 1
+    layout = mode if mode != "auto" else "on" if cores >= 4 else "split" if cores >= 2 else "off"
+    if layout not in ("on", "split", "off"):
+        raise ValueError(f"--pin {mode}: one of {', '.join(PIN_MODES)}")
+    if layout != "off":
         os.sched_setaffinity(0, {0})
-    return pin
+    return layout
+
+
+def pin_runtime(pid: int, layout: str) -> None:
+    """Put a started runtime (its server ``pid`` and the model process under it) where ``layout``
+    (from :func:`pin_for_bench`) says."""
+    rest = list(range(1, os.cpu_count() or 1))
+    if layout == "on":
+        pin_process_tree(pid, rest)
+    elif layout == "split":
+        _taskset(str(pid), [0])
+        for child in _children(pid):
+            _taskset(child, rest)
+
+
+def _children(pid: int) -> list[str]:
+    return subprocess.run(["pgrep", "-P", str(pid)], capture_output=True, text=True, check=False).stdout.split()
+
+
+def _taskset(pid: str, cores: list[int]) -> None:
+    """Every thread of ``pid`` on ``cores``."""
+    subprocess.run(["taskset", "-a", "-p", "-c", ",".join(map(str, cores)), pid], capture_output=True, check=False)
 
 
 def pin_process_tree(pid: int, cores: list[int]) -> None:
     """The process ``pid`` and its children (the runtime's model process), every thread, on ``cores``."""
-    kids = subprocess.run(["pgrep", "-P", str(pid)], capture_output=True, text=True, check=False).stdout.split()
-    for p in [str(pid), *kids]:
-        subprocess.run(["taskset", "-a", "-p", "-c", ",".join(map(str, cores)), p], capture_output=True, check=False)
+    for p in [str(pid), *_children(pid)]:
+        _taskset(p, cores)

@@ -137,10 +137,10 @@ def main() -> int:
     ap.add_argument("--source", default="builtin:mlp")
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--calib-rate", type=float, default=20.0, help="the steady stream that measures request overhead")
-    ap.add_argument("--pin", choices=["auto", "on", "off"], default="auto")
+    ap.add_argument("--pin", choices=benchlib.PIN_MODES, default="auto", help="see benchlib.pin_for_bench")
     ap.add_argument("--out")
     args = ap.parse_args()
-    args.pin_cores = list(range(os.cpu_count() or 1)) if benchlib.pin_for_bench(args.pin) else []
+    args.pin_layout = benchlib.pin_for_bench(args.pin)
     slos = {k: parse_duration(v) for k, v in (x.split("=") for x in args.slo.split(","))}
     settings_list, current = grid.parse_settings(args.settings, args.current)
     started = time.time()
@@ -214,7 +214,7 @@ def main() -> int:
         "command": " ".join(sys.argv),
         "machine": {
             "cores": os.cpu_count(),
-            "pinned": bool(args.pin_cores),
+            "pinned": args.pin_layout,
             "loadavg_1m_end": round(os.getloadavg()[0], 2),
         },
         "elapsed_s": round(time.time() - started, 1),

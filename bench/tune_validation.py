@@ -32,8 +32,9 @@ Each row is measured ``--repeats`` times (3), each by a fresh runtime: the error
 median of the repeats, and the repeats' spread ((max - min) / median: the same setting measured
 again) is printed beside it as the noise floor. Send lateness (the load generator's p99) is
 recorded per run. ``--pin`` puts the runtime on the cores after the first and the load generator
-on core 0 where the machine has 4 cores or more (on 2, pinning would make the server and its
-model process share one core; the JSON records whether it pinned).
+on core 0 where the machine has 4 cores or more; on 2 or 3 its model process alone on the cores
+after the first, the server beside the load generator (``benchlib.pin_for_bench``; the JSON
+records the layout).
 
 Measured p99 is reported both client-side (loadgen: includes the client and the loopback
 network) and server-side (histogram_quantile over the runtime's latency histogram, as the
@@ -407,11 +408,11 @@ def main() -> int:
     ap.add_argument("--live", action="store_true", help="the live path: capture, recommend, measure (see above)")
     ap.add_argument("--live-rates", default="40,80", help="req/s to replay in the live path")
     ap.add_argument("--current", default="8:2ms", help="the live path's current setting B:W")
-    ap.add_argument("--pin", choices=["auto", "on", "off"], default="auto", help="see benchlib.pin_for_bench")
+    ap.add_argument("--pin", choices=benchlib.PIN_MODES, default="auto", help="see benchlib.pin_for_bench")
     ap.add_argument("--repeats", type=int, default=3, help="fresh runtimes per row; the error is against their median")
     ap.add_argument("--out", help="also write the JSON here")
     args = ap.parse_args()
-    args.pinned = benchlib.pin_for_bench(args.pin)
+    args.pin_layout = benchlib.pin_for_bench(args.pin)
 
     full = load_trace(args.trace)
     trace = Trace.from_times(full.arrivals[: args.requests], full.source) if args.requests else full
@@ -526,7 +527,7 @@ def main() -> int:
         "predicted_capacity_rps": round(tuned.capacity, 2),
         "search_s": round(search_s, 3),
         "runtime_switch_interval_s": args.switch_interval,
-        "machine": {"cores": os.cpu_count(), "pinned": args.pinned},
+        "machine": {"cores": os.cpu_count(), "pinned": args.pin_layout},
         "repeats": args.repeats,
         "rows": rows,
     }
@@ -549,6 +550,7 @@ class SteadyStream:
         self.offsets = [k / args.calib_rate for k in range(int(args.calib_rate * 15))]
         rt = Runtime(tmp, args.source, args.threads, self.SETTINGS, getattr(args, "switch_interval", None))
         try:
+            benchlib.pin_runtime(rt.proc.pid, getattr(args, "pin_layout", "off"))  # as the runs it serves
             replay(rt, [k * 0.05 for k in range(40)], body)  # warm the connection pool and caches
             self.p50 = float(replay(rt, self.offsets, body)["latency_ms"]["p50"]) / 1e3
         finally:
@@ -572,8 +574,7 @@ def measure_once(
     """One fresh runtime serving the arrivals once: the client's and the server's measurements."""
     rt = Runtime(tmp, args.source, args.threads, settings, args.switch_interval)
     try:
-        if args.pinned:
-            benchlib.pin_process_tree(rt.proc.pid, list(range(1, os.cpu_count() or 1)))
+        benchlib.pin_runtime(rt.proc.pid, args.pin_layout)
         replay(rt, [k * 0.02 for k in range(50)], body)  # warm up
         before = scrape(rt.url)
         res = replay(rt, [round(t, 6) for t in arrivals], body)
