@@ -15,8 +15,9 @@ measured capacity), a fresh runtime serves the trace slice open-loop ``--repeats
   the offline profiles and the run's own ``/admin/profile`` (``live``, in sample), two out of
   sample: ``live_previous`` (the profile of the previous run at the same setting) and
   ``live_current``, the live path of ``recommend``: the profile the pods running ``--current``
-  measured serving the same trace at the same load (for the current setting's own rows, its
-  previous run's), which predicts every candidate setting, the larger ones from the timed
+  measured serving the same trace at the same load in the run just before (each repeat runs the
+  current setting first and then every other one; for the current setting's own rows, its
+  previous run's; ``live_current_age_s`` per run), which predicts every candidate setting, the larger ones from the timed
   passes the runtime makes at start past its lanes' maxima (scaled by the runtime to the level
   its live batches run at: ``warmupScale``; ``live_current_unscaled`` undoes that scaling).
 
@@ -28,10 +29,11 @@ itself during the setting's capacity run, ``frontEndCost``), the measured median
 (predicted / median - 1) printed beside it. Summary: share of rows within 20%, Spearman rank
 correlation of predicted vs measured, per trace and overall, and the median noise floor.
 
-Pinned cores: with ``--pin`` (default when the machine has at least 4 cores) the runtime's
-processes run on the cores after the first and the load generator on core 0; on 2 cores the
-server, its model process and the load generator share both (pinning the runtime to one core
-would make its two processes contend), and the JSON says so.
+Pinned cores (``--pin``, ``benchlib.pin_for_bench``): on 4 cores or more the runtime's processes
+run on the cores after the first and the load generator on core 0; on 2 or 3 the runtime's model
+process runs alone on the cores after the first and its server beside the load generator on
+core 0 (pinning the whole runtime to one core would make its two processes contend). The JSON
+records the layout.
 
 Usage: .venv/bin/python bench/latency_model_grid.py [--requests 800] [--repeats 3] --out bench/results/latency_model_grid.json
 """
@@ -167,8 +169,7 @@ def run_once(
     body = benchlib.mlp_body(1)
     rt = tv.Runtime(tmp, args.source, args.threads, settings)
     try:
-        if args.pin_cores:
-            benchlib.pin_process_tree(rt.proc.pid, args.pin_cores[1:])
+        benchlib.pin_runtime(rt.proc.pid, args.pin_layout)
         tv.replay(rt, [k * 0.02 for k in range(50)], body)  # warm up
         started = time.time()
         res = tv.replay(rt, offsets, body)
@@ -265,6 +266,81 @@ def summarize(rows: list[dict[str, Any]]) -> dict[str, Any]:
     return out
 
 
+def plan_row(
+    trace: Trace,
+    settings: LaneSettings,
+    load: float,
+    capacity: dict[LaneSettings, dict[str, Any]],
+    profiles: dict[str, LatencyProfile],
+    args: argparse.Namespace,
+) -> dict[str, Any]:
+    """One row before its runs: the rate (``load`` of the setting's measured capacity), the
+    scheduled arrivals, and the client-side prediction with each offline profile."""
+    rate = min(load * capacity[settings]["measured_rps"], args.max_rate)
+    arrivals = trace.scaled_arrivals(rate)
+    front_end_cost = 0.0 if args.no_front_end else capacity[settings]["front_end_cost_ms"] / 1e3
+    predicted_by = {
+        name: tv._ms(
+            simulate(
+                arrivals,
+                settings,
+                prof.exec_table(settings.max_batch_size),
+                request_overhead=prof.request_overhead,
+                front_end_cost=front_end_cost,
+            ).latency_quantile(0.99)
+        )
+        for name, prof in profiles.items()
+    }
+    return {"rate": rate, "offsets": [round(t, 6) for t in arrivals], "predicted_by": predicted_by, "runs": []}
+
+
+def grid_row(
+    trace_name: str,
+    trace: Trace,
+    settings: LaneSettings,
+    load: float,
+    capacity: dict[LaneSettings, dict[str, Any]],
+    plan: dict[str, Any],
+) -> dict[str, Any]:
+    """A row of the JSON from its plan and its runs: the measured median, min and max over the
+    repeats, the noise floor, and each profile's error against the median."""
+    runs: list[dict[str, Any]] = plan["runs"]
+    predicted_by: dict[str, float | None] = plan["predicted_by"]
+    p99s = [r["client_p99_ms"] for r in runs if r["client_p99_ms"]]
+    med = statistics.median(p99s) if p99s else None
+    predicted = predicted_by["gap"]
+    server_errors = {
+        name: [r["server"][name]["error"] for r in runs if name in r["server"]] for name in (*predicted_by, "live")
+    }
+    return {
+        "trace": trace_name,
+        "setting": {
+            "maxBatchSize": settings.max_batch_size,
+            "maxQueueDelay": format_duration(settings.max_queue_delay),
+        },
+        "load": load,
+        "capacity": capacity[settings],
+        "rate_rps": round(plan["rate"], 2),
+        "requests": trace.count,
+        "predicted_p99_ms": predicted,
+        "predicted_p99_ms_by_profile": predicted_by,
+        "error_by_profile": {name: round(v / med - 1, 3) if v and med else None for name, v in predicted_by.items()},
+        "measured_p99_ms": {
+            "median": med,
+            "min": min(p99s) if p99s else None,
+            "max": max(p99s) if p99s else None,
+            "runs": p99s,
+        },
+        "noise_floor": round((max(p99s) - min(p99s)) / med, 3) if p99s and med else None,
+        "error": round(predicted / med - 1, 3) if predicted and med else None,
+        "server_error_median": {
+            name: round(statistics.median(v), 3) if v else None for name, v in server_errors.items()
+        },
+        "server_row": server_row(runs),
+        "runs": runs,
+    }
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--requests", type=int, default=800, help="arrivals per trace slice")
@@ -278,7 +354,7 @@ def main() -> int:
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--max-rate", type=float, default=1000.0, help="cap on the offered rate")
     ap.add_argument("--calib-rate", type=float, default=20.0)
-    ap.add_argument("--pin", choices=["auto", "on", "off"], default="auto")
+    ap.add_argument("--pin", choices=benchlib.PIN_MODES, default="auto", help="see benchlib.pin_for_bench")
     ap.add_argument(
         "--current",
         default="8:2ms",
@@ -299,8 +375,7 @@ def main() -> int:
         print(json.dumps(done["summary"], indent=2))
         return 0
     cores = os.cpu_count() or 1
-    pin = benchlib.pin_for_bench(args.pin)
-    args.pin_cores = list(range(cores)) if pin else []
+    args.pin_layout = benchlib.pin_for_bench(args.pin)
 
     log("profiling the model in-process (runtime loader): with idle gaps (batchpilot profile's default), and hot")
     sizes = [1, 2, 4, 8, 16, 32, 64]
@@ -332,8 +407,7 @@ def main() -> int:
             table = profile.exec_table(settings.max_batch_size)
             rt = tv.Runtime(tmp, args.source, args.threads, settings)
             try:
-                if args.pin_cores:
-                    benchlib.pin_process_tree(rt.proc.pid, args.pin_cores[1:])
+                benchlib.pin_runtime(rt.proc.pid, args.pin_layout)
                 tv.replay(rt, [k * 0.02 for k in range(50)], body)
                 closed = benchlib.closed_loop(
                     rt.infer_url, body, max(4, 2 * settings.max_batch_size), args.capacity_seconds
@@ -356,98 +430,49 @@ def main() -> int:
                 "front_end_cost_ms": round(saturated.front_end_cost * 1e3, 4),
             }
             log(f"B={settings.max_batch_size} W={format_duration(settings.max_queue_delay)}: {capacity[settings]}")
-        previous_live: dict[LaneSettings, LatencyProfile] = {}
+        previous_live: dict[LaneSettings, tuple[LatencyProfile, float]] = {}
         for trace_name in args.traces.split(","):
             trace = all_traces[trace_name]
             # The live path (recommend): the pods running the current setting at this trace and
             # load measure their profile, and the model predicts every candidate setting with it.
-            # The current setting runs first so that its profile exists for the others' rows.
-            current_live: dict[float, LatencyProfile] = {}
-            for settings in [current, *[s for s in settings_list if s != current]]:
-                table = profile.exec_table(settings.max_batch_size)
-                measured_capacity = capacity[settings]["measured_rps"]
-                front_end_cost = 0.0 if args.no_front_end else capacity[settings]["front_end_cost_ms"] / 1e3
-                for load in loads:
-                    rate = min(load * measured_capacity, args.max_rate)
-                    arrivals = trace.scaled_arrivals(rate)
-                    predicted_by = {
-                        name: tv._ms(
-                            simulate(
-                                arrivals,
-                                settings,
-                                prof.exec_table(settings.max_batch_size),
-                                request_overhead=prof.request_overhead,
-                                front_end_cost=front_end_cost,
-                            ).latency_quantile(0.99)
-                        )
-                        for name, prof in profiles.items()
-                    }
-                    offsets = [round(t, 6) for t in arrivals]
-                    # Out of sample, as the operator's live path: each run is also predicted with the
-                    # profile the runtime measured in the *previous* run at this setting (the
-                    # previous load's last run for the first repeat; none for the first row).
-                    runs = []
-                    for _ in range(args.repeats):
+            # Per load and repeat the current setting runs first and every other setting right
+            # after it, so that each candidate's row is predicted from a profile measured a minute
+            # before at most (the JSON gives its age per run): recommend predicts from the pods'
+            # profile of the moment. Measuring every candidate against one profile taken at the
+            # start of the trace (this bench before 2026-12-07) put the machine's drift over
+            # ten minutes into the model's error.
+            ordered = [current, *[s for s in settings_list if s != current]]
+            for load in loads:
+                plans = {settings: plan_row(trace, settings, load, capacity, profiles, args) for settings in ordered}
+                for _ in range(args.repeats):
+                    for settings in ordered:
                         given = dict(profiles)
                         if settings in previous_live:
-                            given["live_previous"] = previous_live[settings]
-                        # The current setting's own rows: the profile its pods measured before.
-                        live_current = current_live.get(load) if settings != current else previous_live.get(current)
+                            given["live_previous"] = previous_live[settings][0]
+                        # The current setting's own rows: the profile its pods measured the run before.
+                        live_current = previous_live.get(current)
                         if live_current is not None:
-                            given["live_current"] = live_current
-                            if live_current.warmup_scale:
-                                given["live_current_unscaled"] = unscaled(live_current)
-                        run, live_doc = run_once(tmp, args, settings, offsets, given)
-                        previous_live[settings] = LatencyProfile.model_validate(live_doc)
-                        if settings == current:
-                            current_live[load] = previous_live[settings]
-                        runs.append(run)
-                    p99s = [r["client_p99_ms"] for r in runs if r["client_p99_ms"]]
-                    med = statistics.median(p99s) if p99s else None
-                    predicted = predicted_by["gap"]
-                    server_errors = {
-                        name: [r["server"][name]["error"] for r in runs if name in r["server"]]
-                        for name in (*profiles, "live")
-                    }
-                    row = {
-                        "trace": trace_name,
-                        "setting": {
-                            "maxBatchSize": settings.max_batch_size,
-                            "maxQueueDelay": format_duration(settings.max_queue_delay),
-                        },
-                        "load": load,
-                        "capacity": capacity[settings],
-                        "rate_rps": round(rate, 2),
-                        "requests": trace.count,
-                        "predicted_p99_ms": predicted,
-                        "predicted_p99_ms_by_profile": predicted_by,
-                        "error_by_profile": {
-                            name: round(v / med - 1, 3) if v and med else None for name, v in predicted_by.items()
-                        },
-                        "measured_p99_ms": {
-                            "median": med,
-                            "min": min(p99s) if p99s else None,
-                            "max": max(p99s) if p99s else None,
-                            "runs": p99s,
-                        },
-                        "noise_floor": round((max(p99s) - min(p99s)) / med, 3) if p99s and med else None,
-                        "error": round(predicted / med - 1, 3) if predicted and med else None,
-                        "server_error_median": {
-                            name: round(statistics.median(v), 3) if v else None for name, v in server_errors.items()
-                        },
-                        "server_row": server_row(runs),
-                        "runs": runs,
-                    }
+                            given["live_current"] = live_current[0]
+                            if live_current[0].warmup_scale:
+                                given["live_current_unscaled"] = unscaled(live_current[0])
+                        started_run = time.time()
+                        run, live_doc = run_once(tmp, args, settings, plans[settings]["offsets"], given)
+                        if live_current is not None:
+                            run["live_current_age_s"] = round(started_run - live_current[1], 1)
+                        previous_live[settings] = (LatencyProfile.model_validate(live_doc), time.time())
+                        plans[settings]["runs"].append(run)
+                for settings in ordered:
+                    row = grid_row(trace_name, trace, settings, load, capacity, plans[settings])
                     rows.append(row)
                     log(
                         f"{trace_name} B={settings.max_batch_size} W={format_duration(settings.max_queue_delay)} "
-                        f"{load:.0%} ({rate:.1f} req/s): predicted {predicted} ms, measured {p99s} ms "
-                        f"(noise floor {row['noise_floor']}), error {row['error_by_profile']}, "
-                        f"server error {row['server_row'].get('error')}"
+                        f"{load:.0%} ({row['rate_rps']:.1f} req/s): predicted {row['predicted_p99_ms']} ms, "
+                        f"measured {row['measured_p99_ms']['runs']} ms (noise floor {row['noise_floor']}), "
+                        f"error {row['error_by_profile']}, server error {row['server_row'].get('error')}"
                     )
     out = {
         "command": " ".join(sys.argv),
-        "machine": {"cores": cores, "pinned": pin, "loadavg_1m_end": round(os.getloadavg()[0], 2)},
+        "machine": {"cores": cores, "pinned": args.pin_layout, "loadavg_1m_end": round(os.getloadavg()[0], 2)},
         "profile": profile.model_dump(mode="json", by_alias=True, exclude_none=True),
         "request_overhead_ms": {k: round(v * 1e3, 3) for k, v in overheads.items()},
         "profiles": {k: v.model_dump(mode="json", by_alias=True, exclude_none=True) for k, v in profiles.items()},
