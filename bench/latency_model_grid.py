@@ -124,10 +124,10 @@ def spearman(xs: list[float], ys: list[float]) -> float | None:
 
 def server_check(
     rt: tv.Runtime, since: float, profiles: dict[str, LatencyProfile]
-) -> tuple[dict[str, Any], dict[str, Any]]:
+) -> tuple[dict[str, Any], dict[str, Any], dict[str, Any]]:
     """The model's p99 for the arrivals the server recorded vs the server's own p99 for them, with
     each given profile and with the runtime's own ``/admin/profile`` of this run (``live``); and
-    that live profile's document (a later run's out-of-sample profile)."""
+    that live profile's document (a later run's out-of-sample profile), and the capture read."""
     doc = tv.fetch_json(f"{rt.url}/admin/arrivals?since={since:.1f}s")
     live_doc = tv.fetch_json(f"{rt.url}/admin/profile")
     live = LatencyProfile.model_validate(live_doc)
@@ -137,11 +137,11 @@ def server_check(
         cal = calibrate(traffic, profile, LaneCalibration())
         got = cal.last
         if got is None:
-            return {"skipped": cal.skipped}, live_doc
+            return {"skipped": cal.skipped}, live_doc, doc
         out["requests"] = got.requests
         out["observed_p99_ms"] = tv._ms(got.observed_p99)
         out[name] = {"predicted_p99_ms": tv._ms(got.predicted_p99), "error": round(got.raw_error, 3)}
-    return out, live_doc
+    return out, live_doc, doc
 
 
 def unscaled(profile: LatencyProfile) -> LatencyProfile:
@@ -165,6 +165,7 @@ def run_once(
     settings: LaneSettings,
     offsets: list[float],
     profiles: dict[str, LatencyProfile],
+    tags: dict[str, Any] | None = None,
 ) -> tuple[dict[str, Any], dict[str, Any]]:
     body = benchlib.mlp_body(1)
     rt = tv.Runtime(tmp, args.source, args.threads, settings)
@@ -173,7 +174,7 @@ def run_once(
         tv.replay(rt, [k * 0.02 for k in range(50)], body)  # warm up
         started = time.time()
         res = tv.replay(rt, offsets, body)
-        check, live_doc = server_check(rt, time.time() - started, profiles)
+        check, live_doc, capture = server_check(rt, time.time() - started, profiles)
     finally:
         rt.stop()
     run = {
@@ -184,7 +185,23 @@ def run_once(
         "server": check,
         "loadavg_1m": round(os.getloadavg()[0], 2),
     }
+    if getattr(args, "captures", None):
+        # What the run's server rows were computed from, so that a change to the model can be
+        # replayed on these runs instead of measuring the grid again.
+        kept = {
+            **(tags or {}),
+            "setting": format_settings(settings),
+            "capture": capture,
+            "profile": live_doc,
+            "run": run,
+        }
+        with open(args.captures, "a") as f:
+            f.write(json.dumps(kept) + "\n")
     return run, live_doc
+
+
+def format_settings(settings: LaneSettings) -> str:
+    return f"{settings.max_batch_size}:{format_duration(settings.max_queue_delay)}"
 
 
 def server_row(runs: list[dict[str, Any]]) -> dict[str, Any]:
@@ -366,6 +383,9 @@ def main() -> int:
         help="client-side predictions without the HTTP front end (the model before frontEndCost)",
     )
     ap.add_argument("--out")
+    ap.add_argument(
+        "--captures", help="append each run's capture (/admin/arrivals), live profile and row to this JSON-lines file"
+    )
     ap.add_argument("--summarize", help="recompute the summary of a results file (no runs)")
     args = ap.parse_args()
     if args.summarize:
@@ -444,7 +464,7 @@ def main() -> int:
             ordered = [current, *[s for s in settings_list if s != current]]
             for load in loads:
                 plans = {settings: plan_row(trace, settings, load, capacity, profiles, args) for settings in ordered}
-                for _ in range(args.repeats):
+                for repeat in range(args.repeats):
                     for settings in ordered:
                         given = dict(profiles)
                         if settings in previous_live:
@@ -456,7 +476,8 @@ def main() -> int:
                             if live_current[0].warmup_scale:
                                 given["live_current_unscaled"] = unscaled(live_current[0])
                         started_run = time.time()
-                        run, live_doc = run_once(tmp, args, settings, plans[settings]["offsets"], given)
+                        tags = {"trace": trace_name, "load": load, "repeat": repeat}
+                        run, live_doc = run_once(tmp, args, settings, plans[settings]["offsets"], given, tags)
                         if live_current is not None:
                             run["live_current_age_s"] = round(started_run - live_current[1], 1)
                         previous_live[settings] = (LatencyProfile.model_validate(live_doc), time.time())
