@@ -1,0 +1,134 @@
+"""Replay ``latency_model_grid.py --captures`` runs offline: where the live path's error comes from.
+
+For every candidate run (a setting other than the current one) the model replays the arrivals
+the server recorded, against the p99 it recorded (as the grid's server rows and the operator's
+calibration do), with four profiles:
+
+* ``own``: the run's own ``/admin/profile`` (in sample);
+* ``current``: the profile of the current setting's run just before it (the live path);
+* ``current_passes``: the current profile's passes with the run's own overheads
+  (``requestOverhead``, ``dispatchDelay``, ``frontEndCost``);
+* ``own_passes``: the run's own passes with the current profile's overheads.
+
+If ``current_passes`` errs as ``current`` does and ``own_passes`` as ``own``, the live path's
+error is in the passes, not in the overheads. Beside each run: its request rate and the current
+run's, and the ratio of its mean pass to the current profile's per batch size. Summary: rows
+within 20% per profile.
+
+Usage: .venv/bin/python bench/grid_replay.py CAPTURES.jsonl[.gz] [--current 8:2ms] [--out F]
+"""
+
+from __future__ import annotations
+
+import argparse
+import gzip
+import json
+import statistics
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+sys.path[:0] = [str(Path(__file__).resolve().parents[1] / d) for d in ("operator", "runtime")]
+
+from batchpilot_operator.tune.calibration import LaneCalibration  # noqa: E402
+from batchpilot_operator.tune.captures import merge_traffic, parse_capture  # noqa: E402
+from batchpilot_operator.tune.live import calibrate  # noqa: E402
+from batchpilot_operator.tune.profile import LatencyProfile  # noqa: E402
+from batchpilot_runtime.config import parse_duration  # noqa: E402
+
+OVERHEADS = ("request_overhead", "dispatch_delay", "front_end_cost")
+SIZES = (1, 2, 4, 8, 16, 32, 64)
+
+
+def read_runs(path: Path) -> Iterator[dict[str, Any]]:
+    opener = gzip.open if path.suffix == ".gz" else open
+    with opener(path, "rt") as f:
+        for line in f:
+            if line.strip():
+                yield json.loads(line)
+
+
+def model_error(capture: dict[str, Any], profile: LatencyProfile) -> float | None:
+    """The model's p99 / the server's p99 - 1 on the run's recorded arrivals."""
+    traffic = merge_traffic([parse_capture(capture, "bench")], "interactive")
+    got = calibrate(traffic, profile, LaneCalibration()).last
+    return None if got is None else round(got.raw_error, 3)
+
+
+def rate(capture: dict[str, Any]) -> float | None:
+    times = capture["lanes"][0]["outcomes"]["times"]
+    return round((len(times) - 1) / (times[-1] - times[0]), 1) if len(times) > 1 and times[-1] > times[0] else None
+
+
+def pass_ratios(own: dict[str, Any], current: dict[str, Any]) -> dict[int, float]:
+    mine = {p["batchSize"]: parse_duration(p["mean"]) for p in own["points"]}
+    theirs = {p["batchSize"]: parse_duration(p["mean"]) for p in current["points"]}
+    return {b: round(mine[b] / theirs[b], 2) for b in SIZES if b in mine and b in theirs and theirs[b] > 0}
+
+
+def replay(runs: Iterator[dict[str, Any]], current_setting: str) -> list[dict[str, Any]]:
+    rows: list[dict[str, Any]] = []
+    current: dict[str, Any] | None = None
+    for run in runs:
+        if run["setting"] == current_setting:
+            current = run
+            continue
+        if current is None:
+            continue
+        own = LatencyProfile.model_validate(run["profile"])
+        cur = LatencyProfile.model_validate(current["profile"])
+        profiles = {
+            "own": own,
+            "current": cur,
+            "current_passes": cur.model_copy(update={k: getattr(own, k) for k in OVERHEADS}),
+            "own_passes": own.model_copy(update={k: getattr(cur, k) for k in OVERHEADS}),
+        }
+        rows.append(
+            {
+                **{k: run.get(k) for k in ("trace", "setting", "load", "repeat")},
+                "rate_rps": rate(run["capture"]),
+                "current_rate_rps": rate(current["capture"]),
+                "error": {name: model_error(run["capture"], p) for name, p in profiles.items()},
+                "pass_ratio_to_current": pass_ratios(run["profile"], current["profile"]),
+            }
+        )
+    return rows
+
+
+def summarize(rows: list[dict[str, Any]]) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for name in ("own", "current", "current_passes", "own_passes"):
+        errors = [r["error"][name] for r in rows if r["error"].get(name) is not None]
+        out[name] = {
+            "runs": len(errors),
+            "within_20pct": sum(1 for e in errors if abs(e) <= 0.2),
+            "median_abs_error": round(statistics.median(abs(e) for e in errors), 3) if errors else None,
+        }
+    return out
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("captures", type=Path)
+    ap.add_argument("--current", default="8:2ms", help="the grid's --current setting, as B:W")
+    ap.add_argument("--out", type=Path)
+    args = ap.parse_args()
+    rows = replay(read_runs(args.captures), args.current)
+    for r in rows:
+        e = r["error"]
+        print(
+            f"{r['trace'][:4]} {r['setting']:>8} {r['load']:.2f} #{r['repeat']} "
+            f"{r['rate_rps']} req/s (current {r['current_rate_rps']}): "
+            + " ".join(f"{k} {v:+.2f}" if v is not None else f"{k} -" for k, v in e.items())
+            + f" passes/current {r['pass_ratio_to_current']}"
+        )
+    summary = summarize(rows)
+    print(json.dumps(summary, indent=2))
+    if args.out:
+        args.out.write_text(json.dumps({"command": " ".join(sys.argv), "summary": summary, "rows": rows}, indent=2))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
