@@ -11,7 +11,10 @@ calibration do), with four profiles:
 * ``own_passes``: the run's own passes with the current profile's overheads.
 
 If ``current_passes`` errs as ``current`` does and ``own_passes`` as ``own``, the live path's
-error is in the passes, not in the overheads. Beside each run: its request rate and the current
+error is in the passes, not in the overheads. ``band``: the live path's prediction with the current
+profile's passes scaled to the quartiles of how the runs' passes differed from the current pods'
+(the file's own spread, batch 1-8), and whether the server's p99 fell inside it: how wide a
+prediction is once it carries the passes' noise. Beside each run: its request rate and the current
 run's, and the ratio of its mean pass to the current profile's per batch size. Summary: rows
 within 20% per profile.
 
@@ -67,8 +70,43 @@ def pass_ratios(own: dict[str, Any], current: dict[str, Any]) -> dict[int, float
     return {b: round(mine[b] / theirs[b], 2) for b in SIZES if b in mine and b in theirs and theirs[b] > 0}
 
 
+def scaled_passes(profile: LatencyProfile, k: float) -> LatencyProfile:
+    """The profile with every pass ``k`` times as long (its overheads as they are)."""
+    points = [
+        p.model_copy(update={q: getattr(p, q) * k for q in ("p50", "p90", "p99", "mean") if getattr(p, q) is not None})
+        for p in profile.points
+    ]
+    return profile.model_copy(update={"points": points})
+
+
+def quartiles(rows: list[dict[str, Any]]) -> tuple[float, float]:
+    """The lower and upper quartile over the runs of their median pass ratio at batch 1-8."""
+    ratios = sorted(
+        statistics.median(small)
+        for r in rows
+        if (small := [v for b, v in r["pass_ratio_to_current"].items() if b <= 8])
+    )
+    return ratios[len(ratios) // 4], ratios[(3 * len(ratios)) // 4]
+
+
+def add_bands(
+    rows: list[dict[str, Any]], runs: list[tuple[dict[str, Any], LatencyProfile]], low: float, high: float
+) -> None:
+    """Each row's live-path prediction at passes x ``low`` and x ``high``, and whether the server's
+    p99 lies between them (``runs[i]`` holds row i's capture and the current profile)."""
+    for row, (capture, current) in zip(rows, runs, strict=True):
+        lo, hi = (model_error(capture, scaled_passes(current, k)) for k in (low, high))
+        row["band"] = {
+            "pass_scale": [low, high],
+            "error": [lo, hi],
+            "covers": None if lo is None or hi is None else min(lo, hi) <= 0 <= max(lo, hi),
+            "width": None if lo is None or hi is None else round((1 + hi) / (1 + lo) - 1, 3),
+        }
+
+
 def replay(runs: Iterator[dict[str, Any]], current_setting: str) -> list[dict[str, Any]]:
     rows: list[dict[str, Any]] = []
+    kept: list[tuple[dict[str, Any], LatencyProfile]] = []
     current: dict[str, Any] | None = None
     for run in runs:
         if run["setting"] == current_setting:
@@ -93,11 +131,22 @@ def replay(runs: Iterator[dict[str, Any]], current_setting: str) -> list[dict[st
                 "pass_ratio_to_current": pass_ratios(run["profile"], current["profile"]),
             }
         )
+        kept.append((run["capture"], cur))
+    if rows:
+        add_bands(rows, kept, *quartiles(rows))
     return rows
 
 
 def summarize(rows: list[dict[str, Any]]) -> dict[str, Any]:
     out: dict[str, Any] = {}
+    bands = [r["band"] for r in rows if r.get("band", {}).get("covers") is not None]
+    if bands:
+        out["band"] = {
+            "pass_scale": bands[0]["pass_scale"],
+            "runs": len(bands),
+            "covers": sum(1 for b in bands if b["covers"]),
+            "median_width": round(statistics.median(b["width"] for b in bands), 3),
+        }
     for name in ("own", "current", "current_passes", "own_passes"):
         errors = [r["error"][name] for r in rows if r["error"].get(name) is not None]
         out[name] = {
