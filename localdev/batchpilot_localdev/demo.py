@@ -17,7 +17,6 @@ this module runs it (:func:`run_demo`) and writes its report (:func:`write_repor
 from __future__ import annotations
 
 import contextlib
-import fcntl
 import json
 import math
 import re
@@ -36,6 +35,7 @@ from rich.console import Console
 
 from batchpilot_localdev.load import TrackStats
 from batchpilot_localdev.modelcheck import window_rows, window_table
+from batchpilot_localdev.processes import try_lock
 from batchpilot_localdev.scenario import CHANGES, NAMESPACE, POLICY, Demo
 from batchpilot_operator.spec import parse_spec
 
@@ -415,13 +415,7 @@ def hold_workdir(workdir: Path) -> IO[str] | None:
     while another run holds it. A second demo on the same directory deleted the first one's
     cluster, TSDB and report under it (the first then failed writing report.png)."""
     workdir.parent.mkdir(parents=True, exist_ok=True)
-    lock = (workdir.parent / f".{workdir.name}.lock").open("w")
-    try:
-        fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except BlockingIOError:
-        lock.close()
-        return None
-    return lock
+    return try_lock(workdir.parent / f".{workdir.name}.lock")
 
 
 def run_demo(workdir: Path, rate: float, trace: Path, real_node: bool = False) -> int:

@@ -8,19 +8,33 @@ does not (the operator, Prometheus, Toxiproxy) is signalled alone: :func:`stop_p
 
 By pid, as ``batchpilot up`` / ``down`` find what a stack left running: :func:`pid_alive`,
 :func:`cmdline`, :func:`processes_using` (every process naming a work directory) and
-:func:`stop_pids`.
+:func:`stop_pids`. And what keeps two of them from starting over each other: :func:`try_lock`.
 """
 
 from __future__ import annotations
 
 import contextlib
+import fcntl
 import os
 import signal
 import subprocess
 import time
 from collections.abc import Iterable
 from pathlib import Path
-from typing import Any
+from typing import IO, Any
+
+
+def try_lock(path: Path) -> IO[str] | None:
+    """An exclusive ``flock`` on ``path`` (created if missing), held while the returned file stays
+    open (the kernel releases it when the process ends, however it ends); None while another
+    process holds it."""
+    lock = path.open("w")
+    try:
+        fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        lock.close()
+        return None
+    return lock
 
 
 def stop_process(proc: subprocess.Popen[Any], timeout: float) -> None:

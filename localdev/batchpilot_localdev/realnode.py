@@ -36,7 +36,6 @@ Usage::
 from __future__ import annotations
 
 import contextlib
-import fcntl
 import json
 import os
 import shutil
@@ -85,7 +84,7 @@ from batchpilot_localdev.nodeimages import (
     run_command,
 )
 from batchpilot_localdev.pki import make_node_credentials, write_cert_kubeconfig
-from batchpilot_localdev.processes import stop_group
+from batchpilot_localdev.processes import stop_group, try_lock
 from batchpilot_localdev.prometheus import KubernetesSD, PrometheusServer
 from batchpilot_operator.children import LABEL_POLICY, LABEL_REVISION, LABEL_TRACK, RUNTIME_PORT
 
@@ -137,12 +136,9 @@ class RealNode:
         t0 = time.monotonic()
         ensure_node_binaries()
         ensure_images(images)
-        lock = LOCK_FILE.open("w")
-        try:
-            fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            lock.close()
-            raise RealNodeError(f"another real node runs on this machine (lock {LOCK_FILE} is held)") from None
+        lock = try_lock(LOCK_FILE)
+        if lock is None:
+            raise RealNodeError(f"another real node runs on this machine (lock {LOCK_FILE} is held)")
         workdir = workdir.resolve()
         workdir.mkdir(parents=True, exist_ok=True)
         (workdir / "logs").mkdir(exist_ok=True)
