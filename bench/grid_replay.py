@@ -32,13 +32,11 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-sys.path[:0] = [str(Path(__file__).resolve().parents[1] / d) for d in ("operator", "runtime")]
+sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from batchpilot_operator.tune.calibration import LaneCalibration  # noqa: E402
-from batchpilot_operator.tune.captures import merge_traffic, parse_capture  # noqa: E402
-from batchpilot_operator.tune.live import calibrate  # noqa: E402
-from batchpilot_operator.tune.profile import LatencyProfile  # noqa: E402
-from batchpilot_runtime.config import parse_duration  # noqa: E402
+from batchpilot_operator.tune.profile import LatencyProfile
+from batchpilot_runtime.config import parse_duration
+from latency_model_grid import model_check
 
 OVERHEADS = ("request_overhead", "dispatch_delay", "front_end_cost")
 SIZES = (1, 2, 4, 8, 16, 32, 64)
@@ -54,8 +52,7 @@ def read_runs(path: Path) -> Iterator[dict[str, Any]]:
 
 def model_error(capture: dict[str, Any], profile: LatencyProfile) -> float | None:
     """The model's p99 / the server's p99 - 1 on the run's recorded arrivals."""
-    traffic = merge_traffic([parse_capture(capture, "bench")], "interactive")
-    got = calibrate(traffic, profile, LaneCalibration()).last
+    got = model_check(capture, profile).last
     return None if got is None else round(got.raw_error, 3)
 
 

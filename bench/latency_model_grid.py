@@ -122,6 +122,12 @@ def spearman(xs: list[float], ys: list[float]) -> float | None:
     return round(cov / den, 3) if den > 0 else None
 
 
+def model_check(capture: dict[str, Any], profile: LatencyProfile) -> LaneCalibration:
+    """The model on the arrivals one runtime recorded (its ``/admin/arrivals`` document), with
+    ``profile``, against the p99 the runtime recorded for them: the operator's calibration check."""
+    return calibrate(merge_traffic([parse_capture(capture, "bench")], "interactive"), profile, LaneCalibration())
+
+
 def server_check(
     rt: tv.Runtime, since: float, profiles: dict[str, LatencyProfile]
 ) -> tuple[dict[str, Any], dict[str, Any], dict[str, Any]]:
@@ -131,10 +137,9 @@ def server_check(
     doc = tv.fetch_json(f"{rt.url}/admin/arrivals?since={since:.1f}s")
     live_doc = tv.fetch_json(f"{rt.url}/admin/profile")
     live = LatencyProfile.model_validate(live_doc)
-    traffic = merge_traffic([parse_capture(doc, "bench")], "interactive")
     out: dict[str, Any] = {}
     for name, profile in {**profiles, "live": live}.items():
-        cal = calibrate(traffic, profile, LaneCalibration())
+        cal = model_check(doc, profile)
         got = cal.last
         if got is None:
             return {"skipped": cal.skipped}, live_doc, doc
