@@ -15,8 +15,14 @@ error is in the passes, not in the overheads. ``band``: the live path's predicti
 profile's passes scaled to the quartiles of how the runs' passes differed from the current pods'
 (the file's own spread, batch 1-8), and whether the server's p99 fell inside it: how wide a
 prediction is once it carries the passes' noise. Beside each run: its request rate and the current
-run's, and the ratio of its mean pass to the current profile's per batch size. Summary: rows
-within 20% per profile.
+run's, and the ratio of its mean pass to the current profile's per batch size.
+
+``elasticity``: how many percent the model's p99 moves per percent of pass time, on the run's
+arrivals and setting with its own profile (passes x1.05 against x1): a property of the row, not of
+the prediction. ``pass_drift``: how far the run's passes are from the current pods' (median over
+batch sizes 1-8 of |ln(own p50 / current p50)|). A row whose p99 moves 4% per 1% of pass time
+misses 20% on a 5% drift, whatever the model. Summary: rows within 20% per profile, and the live
+path's count per elasticity band beside the in-sample one.
 
 Usage: .venv/bin/python bench/grid_replay.py CAPTURES.jsonl[.gz] [--current 8:2ms] [--out F]
 """
@@ -26,6 +32,7 @@ from __future__ import annotations
 import argparse
 import gzip
 import json
+import math
 import statistics
 import sys
 from collections.abc import Iterator
@@ -61,10 +68,25 @@ def rate(capture: dict[str, Any]) -> float | None:
     return round((len(times) - 1) / (times[-1] - times[0]), 1) if len(times) > 1 and times[-1] > times[0] else None
 
 
-def pass_ratios(own: dict[str, Any], current: dict[str, Any]) -> dict[int, float]:
-    mine = {p["batchSize"]: parse_duration(p["mean"]) for p in own["points"]}
-    theirs = {p["batchSize"]: parse_duration(p["mean"]) for p in current["points"]}
+def pass_ratios(own: dict[str, Any], current: dict[str, Any], column: str = "mean") -> dict[int, float]:
+    mine = {p["batchSize"]: parse_duration(p[column]) for p in own["points"]}
+    theirs = {p["batchSize"]: parse_duration(p[column]) for p in current["points"]}
     return {b: round(mine[b] / theirs[b], 2) for b in SIZES if b in mine and b in theirs and theirs[b] > 0}
+
+
+def elasticity(capture: dict[str, Any], profile: LatencyProfile, step: float = 1.05) -> float | None:
+    """Percent the model's p99 moves per percent of pass time (passes x ``step`` against x1)."""
+    base, up = model_error(capture, profile), model_error(capture, scaled_passes(profile, step))
+    if base is None or up is None or base <= -1 or up <= -1:
+        return None
+    return round(math.log((1 + up) / (1 + base)) / math.log(step), 2)
+
+
+def pass_drift(own: dict[str, Any], current: dict[str, Any]) -> float | None:
+    """Median over batch sizes 1-8 of |ln(own p50 / current p50)| (p50: one stalled pass does
+    not move it)."""
+    logs = [abs(math.log(v)) for b, v in pass_ratios(own, current, "p50").items() if b <= 8 and v > 0]
+    return round(statistics.median(logs), 3) if logs else None
 
 
 def scaled_passes(profile: LatencyProfile, k: float) -> LatencyProfile:
@@ -126,12 +148,40 @@ def replay(runs: Iterator[dict[str, Any]], current_setting: str) -> list[dict[st
                 "current_rate_rps": rate(current["capture"]),
                 "error": {name: model_error(run["capture"], p) for name, p in profiles.items()},
                 "pass_ratio_to_current": pass_ratios(run["profile"], current["profile"]),
+                "elasticity": elasticity(run["capture"], own),
+                "pass_drift": pass_drift(run["profile"], current["profile"]),
             }
         )
         kept.append((run["capture"], cur))
     if rows:
         add_bands(rows, kept, *quartiles(rows))
     return rows
+
+
+ELASTICITY_BANDS = ((0.0, 2.0), (2.0, 4.0), (4.0, math.inf))
+
+
+def by_elasticity(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Per elasticity band: runs, within 20% live (``current``) and in sample (``own``), and the
+    median pass drift."""
+    out = []
+    for lo, hi in ELASTICITY_BANDS:
+        sel = [r for r in rows if r.get("elasticity") is not None and lo <= r["elasticity"] < hi]
+        drifts = [r["pass_drift"] for r in sel if r.get("pass_drift") is not None]
+        out.append(
+            {
+                "elasticity": [lo, None if math.isinf(hi) else hi],
+                "runs": len(sel),
+                **{
+                    f"{name}_within_20pct": sum(
+                        1 for r in sel if (e := r["error"].get(name)) is not None and abs(e) <= 0.2
+                    )
+                    for name in ("current", "own")
+                },
+                "median_pass_drift": round(statistics.median(drifts), 3) if drifts else None,
+            }
+        )
+    return out
 
 
 def summarize(rows: list[dict[str, Any]]) -> dict[str, Any]:
@@ -151,6 +201,7 @@ def summarize(rows: list[dict[str, Any]]) -> dict[str, Any]:
             "within_20pct": sum(1 for e in errors if abs(e) <= 0.2),
             "median_abs_error": round(statistics.median(abs(e) for e in errors), 3) if errors else None,
         }
+    out["by_elasticity"] = by_elasticity(rows)
     return out
 
 
@@ -167,7 +218,7 @@ def main() -> int:
             f"{r['trace'][:4]} {r['setting']:>8} {r['load']:.2f} #{r['repeat']} "
             f"{r['rate_rps']} req/s (current {r['current_rate_rps']}): "
             + " ".join(f"{k} {v:+.2f}" if v is not None else f"{k} -" for k, v in e.items())
-            + f" passes/current {r['pass_ratio_to_current']}"
+            + f" passes/current {r['pass_ratio_to_current']} elasticity {r['elasticity']} drift {r['pass_drift']}"
         )
     summary = summarize(rows)
     print(json.dumps(summary, indent=2))
