@@ -8,7 +8,14 @@ from typing import Any
 import pytest
 
 from batchpilot_operator.tune.captures import CaptureError, merge_profiles, merge_traffic, parse_capture
-from batchpilot_operator.tune.live import BREACH_GROWTH, BREACH_NOW, json_patch, lane_settings_from_spec, recommend_lane
+from batchpilot_operator.tune.live import (
+    BREACH_GROWTH,
+    BREACH_NOW,
+    PASS_DRIFT,
+    json_patch,
+    lane_settings_from_spec,
+    recommend_lane,
+)
 from batchpilot_operator.tune.profile import LatencyProfile
 from batchpilot_operator.tune.search import SLOTargets
 from bp_captures import LANE_SETTINGS, PROFILE, capture_doc, poisson, profile_doc
@@ -198,6 +205,36 @@ def test_recommending_from_the_recommended_setting_keeps_it() -> None:
     again = recommend_lane(traffic, PROFILE, first.recommended.settings, SLO, replicas=1, growth=2.0)
     assert not again.changed and again.recommended.capacity == again.current.capacity
     assert json_patch([{"name": "interactive"}], [again]) == []
+
+
+def test_near_capacity_the_p99_moves_further_than_the_passes() -> None:
+    # batch size 1 at 2 ms a row: at 50 req/s a request mostly waits for its own pass, at 400
+    # req/s (80% busy) for the queue, which grows faster than the passes do
+    current = lane_settings_from_spec({**LANE_SETTINGS, "maxBatchSize": 1})
+    loose = SLOTargets(p99_latency=1.0, queue_age=1.0, margin=0.2)
+    growth = {}
+    for rate in (50.0, 400.0):
+        p = recommend_lane(traffic_at(rate), PROFILE, current, loose, replicas=1, growth=1.0).current.at_observed
+        assert p.p99_latency_slower > p.p99_latency
+        growth[rate] = p.p99_latency_slower / p.p99_latency
+    assert growth[50.0] < 1 + 2 * PASS_DRIFT < 1 + 3 * PASS_DRIFT < growth[400.0]
+
+
+def test_a_setting_that_meets_the_target_only_at_the_measured_passes_says_so() -> None:
+    current = lane_settings_from_spec({**LANE_SETTINGS, "maxBatchSize": 1})
+    loose = SLOTargets(p99_latency=1.0, queue_age=1.0, margin=0.2)
+    traffic = traffic_at(400.0)
+    first = recommend_lane(traffic, PROFILE, current, loose, replicas=1, growth=1.0)
+    assert not any("only with the passes as measured" in n for n in first.notes)
+    # A p99 target between the two predictions: met as measured, missed with slower passes.
+    p = first.current.at_planned
+    target = (p.p99_latency + p.p99_latency_slower) / 2
+    edge = SLOTargets(p99_latency=target / 0.8, queue_age=1.0, margin=0.2)
+    rec = recommend_lane(traffic, PROFILE, current, edge, replicas=1, growth=1.0)
+    assert rec.current.at_planned.meets_targets
+    notes = [n for n in rec.notes if "only with the passes as measured" in n]
+    assert len(notes) >= 1 and notes[0].startswith("maxBatchSize 1 / maxQueueDelay")
+    assert rec.to_dict()["current"]["atPlanned"]["p99AtSlowerPasses"] is not None
 
 
 def test_when_nothing_serves_the_planned_traffic_a_worse_setting_is_not_recommended() -> None:

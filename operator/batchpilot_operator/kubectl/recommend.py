@@ -4,7 +4,8 @@ Gathers the recent arrivals and the measured latency profile of every ready pod 
 through the apiserver's pod proxy (``/admin/arrivals``, ``/admin/profile`` of the runtime),
 merges them, and runs the tuner (``batchpilot tune``'s search and simulator) for each lane
 against the lane's SLO. Prints the observed traffic (rate, burstiness), the current setting's
-predicted p99 / queue age / capacity at the observed traffic and at a planned growth, the
+predicted p99 / queue age / capacity at the observed traffic and at a planned growth (the p99
+now also with every pass ``PASS_DRIFT`` slower: how far it moves when the passes do), the
 recommended setting with the same predictions, the model's measured error (its p99 for the
 window's own arrivals against the pods' recorded p99, after the operator's earlier checks in
 ``status.recommendation.calibration``), and an RFC 6902 patch ready for Git. It never
@@ -29,7 +30,7 @@ from batchpilot_operator.kubectl.cluster import Cluster, PluginError, emit
 from batchpilot_operator.livedata import gather
 from batchpilot_operator.spec import KIND, parse_spec
 from batchpilot_operator.tune.calibration import calibrations_from_status
-from batchpilot_operator.tune.live import recommend_policy
+from batchpilot_operator.tune.live import PASS_DRIFT, recommend_policy
 from batchpilot_runtime.config import parse_duration
 
 HELP = "recommend batching settings from the pods' own traffic (a patch for Git)"
@@ -156,6 +157,7 @@ def view(d: dict[str, Any]) -> RenderableType:
             "maxQueueDelay",
             "capacity rows/s",
             "p99 now",
+            f"p99 now, passes +{PASS_DRIFT:.0%}",
             "queue age now",
             f"p99 x{lane['growth']:.3g}",
             f"queue age x{lane['growth']:.3g}",
@@ -170,6 +172,7 @@ def view(d: dict[str, Any]) -> RenderableType:
                 s["maxQueueDelay"],
                 _num(s["capacity"]),
                 Text(now["p99Latency"] or "inf", style="" if now["meetsTargets"] else "red"),
+                now.get("p99AtSlowerPasses", "-") or "inf",  # "-": a recommendation from before the what-if
                 now["p99QueueAge"] or "inf",
                 Text(planned["p99Latency"] or "inf", style="" if planned["meetsTargets"] else "red"),
                 planned["p99QueueAge"] or "inf",

@@ -17,6 +17,11 @@ the pods ran, and its p99 compared with theirs. The lane's correction (observed 
 median of its recent checks) then scales every p99 this recommendation states, and the search
 looks for settings under the SLO divided by it. Each lane reports the model's last measured
 error next to its predictions.
+
+Beside every p99 stands the same prediction with every pass :data:`PASS_DRIFT` slower
+(``p99AtSlowerPasses``): the calibration says how far the model was off; this says how far the
+p99 moves when the passes do, which they do from one minute to the next on a shared host. A
+setting whose p99 meets the SLO only at the passes' measured level gets a note saying so.
 """
 
 from __future__ import annotations
@@ -46,7 +51,7 @@ from batchpilot_operator.tune.captures import (
 )
 from batchpilot_operator.tune.profile import LatencyProfile
 from batchpilot_operator.tune.search import SLOTargets, search
-from batchpilot_operator.tune.simulator import LaneSettings, simulate
+from batchpilot_operator.tune.simulator import LaneSettings, SimResult, simulate
 from batchpilot_operator.tune.trace import Trace
 from batchpilot_runtime.config import format_duration, parse_duration
 
@@ -54,6 +59,12 @@ KEEP_TOLERANCE = 0.03
 """A recommendation within this fraction of the current setting's capacity keeps the current setting."""
 MORE_CAPACITY_FACTOR = 1.25
 """The recommended setting is 'clearly better' when its capacity is at least this times the current one."""
+PASS_DRIFT = 0.10
+"""How much slower every pass runs in the what-if beside each p99. Measured on the 2-core bench
+host (docs/tuning.md, "How far a pass moves"): the pods' pass p50s of two runs a minute apart
+differed by a median 7% per batch size, and one run's batch-1 median from one second to the next
+ranged 4.3-5.4 ms. Where bursts come near the model's capacity, the p99 moves several times as
+far as the passes."""
 
 # Reasons a setting is stale (the condition's reason is the first that applies).
 BREACH_NOW = "BreachAtCurrentTraffic"
@@ -68,6 +79,7 @@ MORE_CAPACITY = "MoreCapacityAvailable"
 class Prediction:
     rate: float
     p99_latency: float
+    p99_latency_slower: float  # with every pass PASS_DRIFT slower
     p99_queue_age: float
     mean_batch: float
     utilization: float
@@ -79,6 +91,7 @@ class Prediction:
         return {
             "rate": round4(self.rate),
             "p99Latency": _dur(self.p99_latency),
+            "p99AtSlowerPasses": _dur(self.p99_latency_slower),
             "p99QueueAge": _dur(self.p99_queue_age),
             "meanBatch": round4(self.mean_batch),
             "utilization": round4(self.utilization),
@@ -159,25 +172,32 @@ def _predict(
     slo: SLOTargets,
     correction: float = 1.0,
 ) -> Prediction:
-    """The simulator's p99 at ``rate``, times the lane's ``correction`` (the calibration)."""
+    """The simulator's p99 at ``rate``, times the lane's ``correction`` (the calibration), and the
+    same with every pass :data:`PASS_DRIFT` slower."""
     table = profile.exec_table(max(settings.max_batch_size, 1))
-    sim = simulate(
-        trace.scaled_arrivals(rate),
-        settings,
-        table,
-        replicas,
-        "random",
-        0,
-        profile.request_overhead,
-        dispatch_delay=profile.dispatch_delay,
-        front_end_cost=profile.front_end_cost,
-    )
+    arrivals = trace.scaled_arrivals(rate)
     t = slo.targets()
+
+    def run(scale: float) -> SimResult:
+        return simulate(
+            arrivals,
+            settings,
+            [x * scale for x in table],
+            replicas,
+            "random",
+            0,
+            profile.request_overhead,
+            dispatch_delay=profile.dispatch_delay,
+            front_end_cost=profile.front_end_cost,
+        )
+
+    sim = run(1.0)
     p99 = sim.latency_quantile(t.quantile) * correction
     age = sim.queue_age_quantile(t.quantile)
     return Prediction(
         rate=rate,
         p99_latency=p99,
+        p99_latency_slower=run(1 + PASS_DRIFT).latency_quantile(t.quantile) * correction,
         p99_queue_age=age,
         mean_batch=sim.mean_batch_size,
         utilization=sim.utilization,
@@ -299,6 +319,9 @@ def recommend_lane(
         )
         rec = cur
         rec_settings = current
+    for report in (cur,) if rec is cur else (cur, rec):
+        if (edge := _knife_edge(report, slo)) is not None:
+            notes.append(edge)
     reasons: list[str] = []
     if not cur.at_observed.meets_targets or cur.capacity < observed:
         reasons.append(BREACH_NOW)
@@ -395,6 +418,22 @@ def check_revisions(
             last = got.last
             out.append(RevisionCheck(revision, track, lane, check=last, skipped=got.skipped if last is None else ""))
     return out
+
+
+def _knife_edge(report: SettingReport, slo: SLOTargets) -> str | None:
+    """A note when the setting meets the p99 target at the planned rate with the passes as the
+    pods measured them but not with every pass :data:`PASS_DRIFT` slower."""
+    p = report.at_planned
+    target = slo.targets().latency
+    if not p.meets_targets or p.p99_latency_slower <= target:
+        return None
+    s = report.settings
+    return (
+        f"maxBatchSize {s.max_batch_size} / maxQueueDelay {format_duration(s.max_queue_delay)} meets the p99 "
+        f"target ({_dur(target)}) at the planned rate only with the passes as measured: p99 {_dur(p.p99_latency)}, "
+        f"{_dur(p.p99_latency_slower)} with every pass {PASS_DRIFT:.0%} slower (passes move that much from one "
+        "minute to the next on a shared host)"
+    )
 
 
 def _p99_key(report: SettingReport) -> tuple[float, float]:
