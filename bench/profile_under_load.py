@@ -1,8 +1,9 @@
 """Service time as the pods see it: /admin/profile under load against an isolated profile.
 
 The tuner's predictions rest on the forward time per batch size. In production it comes from
-the pods (``/admin/profile``: warm-up passes and the last 256 live batches per size, measured
-in the model's own process); offline from ``batchpilot profile``. If the pods' figure under
+the pods (``/admin/profile``: warm-up passes timed in the model's own process and the last 256
+live batches per size, timed by the server's worker around its round trip to that process);
+offline from ``batchpilot profile``. If the pods' figure under
 load drifted from the isolated one (the model sharing cores with the HTTP loop), every
 prediction made from either would be off. This measures how far, on this machine:
 
