@@ -21,7 +21,8 @@ error next to its predictions.
 Beside every p99 stands the same prediction with every pass :data:`PASS_DRIFT` slower
 (``p99AtSlowerPasses``): the calibration says how far the model was off; this says how far the
 p99 moves when the passes do, which they do from one minute to the next on a shared host. A
-setting whose p99 meets the SLO only at the passes' measured level gets a note saying so.
+setting that meets the p99 target at the planned rate only at the passes' measured level gets a
+note saying so.
 """
 
 from __future__ import annotations
