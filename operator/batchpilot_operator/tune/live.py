@@ -179,26 +179,27 @@ def _predict(
     arrivals = trace.scaled_arrivals(rate)
     t = slo.targets()
 
-    def run(scale: float) -> SimResult:
+    def run(exec_scale: Sequence[float] | None) -> SimResult:
         return simulate(
             arrivals,
             settings,
-            [x * scale for x in table],
+            table,
             replicas,
             "random",
             0,
             profile.request_overhead,
+            exec_scale=exec_scale,
             dispatch_delay=profile.dispatch_delay,
             front_end_cost=profile.front_end_cost,
         )
 
-    sim = run(1.0)
+    sim = run(None)
     p99 = sim.latency_quantile(t.quantile) * correction
     age = sim.queue_age_quantile(t.quantile)
     return Prediction(
         rate=rate,
         p99_latency=p99,
-        p99_latency_slower=run(1 + PASS_DRIFT).latency_quantile(t.quantile) * correction,
+        p99_latency_slower=run((1 + PASS_DRIFT,)).latency_quantile(t.quantile) * correction,
         p99_queue_age=age,
         mean_batch=sim.mean_batch_size,
         utilization=sim.utilization,
@@ -304,11 +305,15 @@ def recommend_lane(
         _predict(trace, profile, current, observed, replicas, slo, correction),
         _predict(trace, profile, current, planned, replicas, slo, correction),
     )
-    rec = SettingReport(
-        rec_settings,
-        cur_capacity if rec_settings == current else result.capacity,
-        _predict(trace, profile, rec_settings, observed, replicas, slo, correction),
-        _predict(trace, profile, rec_settings, planned, replicas, slo, correction),
+    rec = (
+        cur
+        if rec_settings == current
+        else SettingReport(
+            rec_settings,
+            result.capacity,
+            _predict(trace, profile, rec_settings, observed, replicas, slo, correction),
+            _predict(trace, profile, rec_settings, planned, replicas, slo, correction),
+        )
     )
     if rec_settings != current and result.capacity < planned and _p99_key(rec) >= _p99_key(cur):
         # No setting serves the planned traffic: the highest capacity says nothing about that
