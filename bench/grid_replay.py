@@ -74,9 +74,12 @@ def pass_ratios(own: dict[str, Any], current: dict[str, Any], column: str = "mea
     return {b: round(mine[b] / theirs[b], 2) for b in SIZES if b in mine and b in theirs and theirs[b] > 0}
 
 
-def elasticity(capture: dict[str, Any], profile: LatencyProfile, step: float = 1.05) -> float | None:
-    """Percent the model's p99 moves per percent of pass time (passes x ``step`` against x1)."""
-    base, up = model_error(capture, profile), model_error(capture, scaled_passes(profile, step))
+def elasticity(
+    capture: dict[str, Any], profile: LatencyProfile, base: float | None, step: float = 1.05
+) -> float | None:
+    """Percent the model's p99 moves per percent of pass time: passes x ``step`` against ``base``,
+    the model's error with ``profile`` as it is."""
+    up = model_error(capture, scaled_passes(profile, step))
     if base is None or up is None or base <= -1 or up <= -1:
         return None
     return round(math.log((1 + up) / (1 + base)) / math.log(step), 2)
@@ -141,14 +144,15 @@ def replay(runs: Iterator[dict[str, Any]], current_setting: str) -> list[dict[st
             "current_passes": cur.model_copy(update={k: getattr(own, k) for k in OVERHEADS}),
             "own_passes": own.model_copy(update={k: getattr(cur, k) for k in OVERHEADS}),
         }
+        errors = {name: model_error(run["capture"], p) for name, p in profiles.items()}
         rows.append(
             {
                 **{k: run.get(k) for k in ("trace", "setting", "load", "repeat")},
                 "rate_rps": rate(run["capture"]),
                 "current_rate_rps": rate(current["capture"]),
-                "error": {name: model_error(run["capture"], p) for name, p in profiles.items()},
+                "error": errors,
                 "pass_ratio_to_current": pass_ratios(run["profile"], current["profile"]),
-                "elasticity": elasticity(run["capture"], own),
+                "elasticity": elasticity(run["capture"], own, errors["own"]),
                 "pass_drift": pass_drift(run["profile"], current["profile"]),
             }
         )
