@@ -931,6 +931,12 @@ def summarize(c: dict[str, Any], scenario: str, failure_limit: int) -> dict[str,
         out["detectable_error_rate_median"] = sorted(said_errors)[len(said_errors) // 2]
         # a queue shedding 2%: did the rollout say up front that 2% is below what it can see?
         out["said_2pct_errors_not_detectable"] = round(sum(x > 0.02 for x in said_errors) / len(said_errors), 4)
+    warned = {"slower20": ("detectable", 0.2), "shed2": ("detectable_errors", 0.02)}.get(scenario)
+    if warned and n:
+        # the bar per rollout: caught, or said up front that the effect is out of reach
+        key, effect = warned
+        unwarned = [r for r in ro if r["outcome"] != "RolledBack" and not (r.get(key) is not None and r[key] > effect)]
+        out["missed_unwarned"] = round(len(unwarned) / n, 4)
     by: dict[str, int] = {}
     for r in rb:
         for metric in r.get("failed_by", ()):
@@ -976,6 +982,8 @@ def markdown_table(result: dict[str, Any]) -> str:
                 extra += f", after {r['mean_analyses_to_rollback']:g} analyses"
             if s == "shed2" and r.get("said_2pct_errors_not_detectable") is not None:
                 extra += f"; {pct(r['said_2pct_errors_not_detectable'])} said 2% errors are out of reach"
+            if r.get("missed_unwarned"):
+                extra += f"; {pct(r['missed_unwarned'])} neither caught nor said so"
             cells.append(f"{pct(r['rolled_back'])} of {r['rollouts']}{extra}")
         lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines)
