@@ -15,7 +15,7 @@ import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "bench"))
 
-from canary_eval import Cell, policy, step_layouts
+from canary_eval import Cell, policy, step_layouts, summarize
 
 
 @pytest.mark.parametrize("interval", [None, "20"])
@@ -44,3 +44,32 @@ def test_routing_follows_the_cell_not_the_clocks(
     for spec in (routed, plain):
         assert spec.rollout.analysis_interval == float(interval or 15)
         assert spec.rollout.steps[-1].pause == float(last_pause or 20)
+
+
+def test_a_miss_counts_against_the_bar_only_where_the_rollout_did_not_say_so() -> None:
+    """The issue's bar is per rollout: caught, or said up front that the effect is out of reach.
+    A cell's two shares cannot show it (90% caught and 90% said so may leave 10% with neither)."""
+
+    def rollout(outcome: str, errors: float | None) -> dict[str, object]:
+        return {
+            "outcome": outcome,
+            "analyses": 3,
+            "seconds": 60.0,
+            "worst_share_seen": 0.0,
+            "detectable": 0.3,
+            "detectable_errors": errors,
+        }
+
+    cell = {"analyses": 30, "failed": 0, "inconclusive": 0}
+    rollouts = [
+        rollout("RolledBack", 0.01),  # caught, though it said 2% was in reach
+        rollout("Promoted", 0.05),  # missed, and said so: 5% errors was the least it could see
+        rollout("Promoted", 0.01),  # missed after saying 2% was in reach: against the bar
+        rollout("running", None),  # no first analysis: it said nothing
+    ]
+    out = summarize(cell | {"rollouts": rollouts}, "shed2", failure_limit=2)
+    assert out["missed_unwarned"] == 0.5
+    assert out["said_2pct_errors_not_detectable"] == round(1 / 3, 4)
+    # a 20% slower model is judged on the p99 statement (0.3 > 0.2: every rollout said so)
+    assert summarize(cell | {"rollouts": rollouts}, "slower20", failure_limit=2)["missed_unwarned"] == 0.0
+    assert "missed_unwarned" not in summarize(cell | {"rollouts": rollouts}, "aa", failure_limit=2)
