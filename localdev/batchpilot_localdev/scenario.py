@@ -270,7 +270,7 @@ class Demo:
                 (s.get("stableRevision") not in (None, first["stableRevision"]) and s.get("phase") == "Healthy")
                 or s.get("phase") == "RolledBack"
             ),
-            600,  # its 120 s last step holds while both tracks breach in the trace's heavy minutes
+            600,  # 4-5 min at 30 s analyses and a 120 s last step; longer when both tracks breach in the heavy minutes
             "the good change to be promoted",
         )
         if good.get("phase") == "RolledBack":
