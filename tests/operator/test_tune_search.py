@@ -97,6 +97,27 @@ def test_capacity_is_verified_below_and_infeasible_just_above() -> None:
     assert result.verified_rates and max(result.verified_rates) < result.capacity
 
 
+def test_a_capacity_that_fails_a_lower_rate_is_lowered_not_discarded() -> None:
+    # On a short bursty trace the p99 is a few requests and the feasible edge is ragged: this
+    # setting passes at 423 req/s and fails at half of it. It used to be discarded (the search
+    # raised: no setting verified); its capacity is now lowered below the rate it failed, and
+    # every rate of the verify ladder below the new capacity meets the SLO.
+    trace = bursty_trace(600, seed=4)
+    profile = linear_profile(3 * MS, 0.5 * MS, [1, 4, 16, 64])
+    slo = SLOTargets(20 * MS, 20 * MS, margin=0.0)
+    result = search(trace, profile, slo, batch_sizes=[16], windows=[5 * MS])
+    (note,) = [n for n in result.notes if "lowered" in n]
+    failed_at = float(note.split("failed at ")[1].split(" ")[0].rstrip(","))  # the first rate it failed
+    assert 0 < result.capacity < failed_at
+    s = result.recommended
+    table = profile.exec_table(s.max_batch_size)
+    for rate in [*result.verified_rates, result.capacity]:
+        sim = simulate(trace.scaled_arrivals(rate), s, table)
+        assert sim.latency_quantile() <= slo.p99_latency and sim.queue_age_quantile() <= slo.queue_age, rate
+    sim = simulate(trace.scaled_arrivals(failed_at), s, table)
+    assert sim.latency_quantile() > slo.p99_latency or sim.queue_age_quantile() > slo.queue_age
+
+
 def test_capacity_never_grows_with_the_window_without_batching_gain() -> None:
     # exec(b) = b ms: batching saves nothing, so waiting for batch-mates only adds latency;
     # the sustainable rate can only fall as the window grows.
