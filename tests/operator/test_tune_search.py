@@ -110,6 +110,8 @@ def test_a_capacity_that_fails_a_lower_rate_is_lowered_not_discarded() -> None:
     failed_at = float(note.split("failed at ")[1].split(" ")[0].rstrip(","))  # the first rate it failed
     assert 0 < result.capacity < failed_at
     s = result.recommended
+    # The candidates list (``tune -o json``) says the lowered capacity, not the bisected one.
+    assert [c.capacity for c in result.candidates if c.settings == s] == [result.capacity]
     table = profile.exec_table(s.max_batch_size)
     for rate in [*result.verified_rates, result.capacity]:
         sim = simulate(trace.scaled_arrivals(rate), s, table)

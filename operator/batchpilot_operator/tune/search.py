@@ -408,7 +408,8 @@ def _choose(
     """The recommendation among the contenders (within the tie tolerance of the best capacity):
     the lowest p99 at the target rate whose SLO holds at every rate of the ``verify`` ladder
     below its capacity (lowered where it does not: ``_verify``); with its run at
-    min(target, capacity) and the verified rates."""
+    min(target, capacity) and the verified rates. A lowered candidate of ``results`` carries
+    its lowered capacity, a discarded one 0."""
     ranked = sorted(
         (r for r in results if r.capacity is not None and r.capacity > 0),
         key=lambda r: -(r.capacity or 0.0),
@@ -416,6 +417,7 @@ def _choose(
     if not ranked:
         raise ValueError("no setting meets the SLO even at a near-zero rate: relax the SLO or the margin")
     verified: dict[LaneSettings, list[float]] = {}  # the ladder of each setting checked at its capacity
+    discarded: list[LaneSettings] = []  # failed lower rates however far their capacity was lowered
     while ranked:
         top_cap = ranked[0].capacity or 0.0
         contenders = [r for r in ranked if (r.capacity or 0.0) >= top_cap * (1 - tie_tolerance)]
@@ -435,6 +437,8 @@ def _choose(
                     f"{name} passed at {r.capacity:.4g} req/s but failed lower rates however far its capacity "
                     "was lowered: not monotone there, skipped"
                 )
+                discarded.append(r.settings)
+                r.capacity = 0.0  # the candidates list says what was verified, not what was bisected
                 continue
             capacity, ladder, failed = checked
             verified[r.settings] = ladder
@@ -444,17 +448,14 @@ def _choose(
                 f"{name} passed at {r.capacity:.4g} req/s but failed at {', '.join(f'{x:.4g}' for x in failed)} "
                 f"req/s below it: its capacity lowered to {capacity:.4g} req/s, where every lower rate checked passes"
             )
-            ranked.append(CandidateResult(r.settings, capacity, r.threshold, r.runs))
+            r.capacity = capacity
+            ranked.append(r)
             ranked.sort(key=lambda c: -(c.capacity or 0.0))
             break  # rank again: the lowered setting may no longer be a contender
     raise ValueError(
         "no setting meets the SLO at every rate up to its capacity: each one that met it at some rate "
         "missed it at a lower one ("
-        + ", ".join(
-            f"maxBatchSize {r.settings.max_batch_size} window {r.settings.max_queue_delay:g}s"
-            for r in results
-            if r.capacity
-        )
+        + ", ".join(f"maxBatchSize {s.max_batch_size} window {s.max_queue_delay:g}s" for s in discarded)
         + "): relax the SLO or the margin"
     )
 
