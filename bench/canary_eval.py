@@ -130,6 +130,10 @@ DEFAULT_SCENARIOS = SCENARIOS[:-3]
 """slower50, p99x1.5 and batch16 only where asked for: the first two without --max-p99-increase
 show only what the SLO cannot see."""
 GOOD = ("aa", "faster", "good", "batch16")
+OUT_OF_REACH = {"slower20": ("detectable", 0.2), "shed2": ("detectable_errors", 0.02)}
+"""Per fault scenario, the rollout's field that says up front what it can see (the first
+analysis's ``detectableP99Regression`` / ``detectableErrorRate``) and the scenario's effect: a
+value above the effect said the fault is out of reach."""
 ROUTINGS = ("ratio", "gateway")
 """``ratio``: the default, each step's weight as a share of the pods (every pod an equal share of
 the requests); ``gateway``: weights set exactly on a Gateway API route, steps 10/25/50 and
@@ -919,7 +923,7 @@ def summarize(c: dict[str, Any], scenario: str, failure_limit: int) -> dict[str,
     if said:
         out["detectable_p99_regression_median"] = sorted(said)[len(said) // 2]
         # a 20% slower model: did the rollout say up front that 20% is below what it can see?
-        out["said_20pct_not_detectable"] = round(sum(x > 0.2 for x in said) / len(said), 4)
+        out["said_20pct_not_detectable"] = round(sum(x > OUT_OF_REACH["slower20"][1] for x in said) / len(said), 4)
         # the issue's bar: a 1.5x worse p99 always within reach
         out["said_50pct_not_detectable"] = round(sum(x > 0.5 for x in said) / len(said), 4)
     said_last = [r["detectable_last_step"] for r in ro if r.get("detectable_last_step") is not None]
@@ -930,8 +934,11 @@ def summarize(c: dict[str, Any], scenario: str, failure_limit: int) -> dict[str,
     if said_errors:
         out["detectable_error_rate_median"] = sorted(said_errors)[len(said_errors) // 2]
         # a queue shedding 2%: did the rollout say up front that 2% is below what it can see?
-        out["said_2pct_errors_not_detectable"] = round(sum(x > 0.02 for x in said_errors) / len(said_errors), 4)
-    warned = {"slower20": ("detectable", 0.2), "shed2": ("detectable_errors", 0.02)}.get(scenario)
+        errors_effect = OUT_OF_REACH["shed2"][1]
+        out["said_2pct_errors_not_detectable"] = round(
+            sum(x > errors_effect for x in said_errors) / len(said_errors), 4
+        )
+    warned = OUT_OF_REACH.get(scenario)
     if warned and n:
         # the issue's bar per rollout: caught, or said up front that the effect is out of reach
         key, effect = warned
