@@ -57,8 +57,13 @@ class RuntimeProcess:
     pre_stop_seconds: float = 0.0
 
     @property
+    def address(self) -> str:
+        """Where the process listens (``127.0.0.1:<port>``): its pod's route leads here."""
+        return f"127.0.0.1:{self.port}"
+
+    @property
     def url(self) -> str:
-        return f"http://127.0.0.1:{self.port}"
+        return f"http://{self.address}"
 
 
 class RuntimeHarness:
@@ -198,9 +203,7 @@ class RuntimeHarness:
         pod_ip: str | None = pod.status.pod_ip
         ports = [p.container_port for c in pod.spec.containers for p in (c.ports or [])]
         pod_port = ports[0] if ports else None
-        if self.routes is not None and pod_ip and pod_port:
-            podnet.write_route(self.routes, pod_ip, pod_port, f"127.0.0.1:{port}")
-        self.procs[pod.metadata.name] = RuntimeProcess(
+        runtime = self.procs[pod.metadata.name] = RuntimeProcess(
             pod=pod.metadata.name,
             policy=labels.get(LABEL_POLICY, ""),
             revision=labels.get(LABEL_REVISION, cfg.get("revision", "")),
@@ -213,10 +216,12 @@ class RuntimeHarness:
             environment=labels.get(LABEL_ENVIRONMENT),
             pre_stop_seconds=_pre_stop_seconds(pod),
         )
+        if self.routes is not None and pod_ip and pod_port:
+            podnet.write_route(self.routes, pod_ip, pod_port, runtime.address)
 
     def _terminate(self, proc: RuntimeProcess) -> None:
         if self.routes is not None and proc.pod_ip and proc.pod_port:
-            podnet.remove_route(self.routes, proc.pod_ip, proc.pod_port)
+            podnet.remove_route(self.routes, proc.pod_ip, proc.pod_port, proc.address)
         stop_group(proc.proc, timeout=20)
 
     def _mark_serving(self, pod: str) -> None:

@@ -51,8 +51,18 @@ def write_route(routes: Path, pod_ip: str, port: int, local: str) -> None:
     tmp.replace(path)
 
 
-def remove_route(routes: Path, pod_ip: str, port: int) -> None:
-    route_file(routes, pod_ip, port).unlink(missing_ok=True)
+def remove_route(routes: Path, pod_ip: str, port: int, local: str) -> None:
+    """Remove the route of ``pod_ip:port`` if it still leads to ``local``: kwok gives a deleted
+    pod's address to the next pod, whose process has its own route by the time the old process
+    ends its ``preStop`` and is stopped (removing it unread cut that pod off the apiserver's
+    proxy: ``recommend`` got 502 from it at the end of every ``make demo``)."""
+    path = route_file(routes, pod_ip, port)
+    try:
+        if path.read_text().strip() != local:
+            return
+    except OSError:
+        return
+    path.unlink(missing_ok=True)
 
 
 def resolve(routes: Path, target: str) -> tuple[str, int] | None:

@@ -81,7 +81,7 @@ def test_connect_reaches_the_process_playing_the_pod(proxy: tuple[Path, Path]) -
         out = connect(sock, "10.0.0.7:8000", b"GET /admin/arrivals HTTP/1.1\r\nHost: x\r\n\r\n")
         assert out.startswith(b"HTTP/1.1 200 Connection established")
         assert out.endswith(b"hello from /admin/arrivals")
-        podnet.remove_route(routes, "10.0.0.7", 8000)
+        podnet.remove_route(routes, "10.0.0.7", 8000, f"127.0.0.1:{port}")
         assert connect(sock, "10.0.0.7:8000").startswith(b"HTTP/1.1 502")
     finally:
         server.shutdown()
@@ -109,3 +109,15 @@ def test_the_real_nodes_bridge_is_dialled_as_it_is_and_nothing_else(tmp_path: Pa
     assert podnet.resolve(tmp_path, "198.19.255.1:10250") == ("198.19.255.1", 10250)
     assert podnet.resolve(tmp_path, "198.20.0.1:8000") is None
     assert podnet.resolve(tmp_path, "10.0.0.7:8000") is None
+
+
+def test_a_stopped_process_leaves_the_route_of_the_pod_that_took_its_address(tmp_path: Path) -> None:
+    # kwok gives a deleted pod's IP to the next pod; the old process is stopped after its preStop,
+    # by which time the new pod's process has its own route: that route must survive.
+    podnet.write_route(tmp_path, "10.0.0.1", 8000, "127.0.0.1:41001")  # old pod's process
+    podnet.write_route(tmp_path, "10.0.0.1", 8000, "127.0.0.1:41002")  # the new pod, same IP
+    podnet.remove_route(tmp_path, "10.0.0.1", 8000, "127.0.0.1:41001")
+    assert podnet.resolve(tmp_path, "10.0.0.1:8000") == ("127.0.0.1", 41002)
+    podnet.remove_route(tmp_path, "10.0.0.1", 8000, "127.0.0.1:41002")
+    assert podnet.resolve(tmp_path, "10.0.0.1:8000") is None
+    podnet.remove_route(tmp_path, "10.0.0.1", 8000, "127.0.0.1:41002")  # gone already: no error
