@@ -270,7 +270,9 @@ class Demo:
                 (s.get("stableRevision") not in (None, first["stableRevision"]) and s.get("phase") == "Healthy")
                 or s.get("phase") == "RolledBack"
             ),
-            600,  # 4-5 min at 30 s analyses and a 120 s last step; longer when both tracks breach in the heavy minutes
+            # 3.5-5 min at 30 s analyses and a 120 s last step (6 of 7 runs on 2 cores, 2026-12-07); 9:54
+            # in one where both tracks breached in the heavy minutes and the step held (Inconclusive)
+            900,
             "the good change to be promoted",
         )
         if good.get("phase") == "RolledBack":
