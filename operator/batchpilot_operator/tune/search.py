@@ -418,12 +418,16 @@ def _choose(
         raise ValueError("no setting meets the SLO even at a near-zero rate: relax the SLO or the margin")
     verified: dict[LaneSettings, list[float]] = {}  # the ladder of each setting checked at its capacity
     discarded: list[LaneSettings] = []  # failed lower rates however far their capacity was lowered
+    runs: dict[tuple[LaneSettings, float], SimResult] = {}  # a contender ranked again keeps its run
     while ranked:
         top_cap = ranked[0].capacity or 0.0
         contenders = [r for r in ranked if (r.capacity or 0.0) >= top_cap * (1 - tie_tolerance)]
         scored: list[tuple[float, float, CandidateResult, SimResult]] = []
         for r in contenders:
-            sim = ev.run(r.settings, min(rate, r.capacity or rate))
+            key = (r.settings, min(rate, r.capacity or rate))
+            if key not in runs:
+                runs[key] = ev.run(*key)
+            sim = runs[key]
             scored.append((sim.latency_quantile(targets.quantile), -(r.capacity or 0.0), r, sim))
         scored.sort(key=lambda x: (x[0], x[1]))
         for _, _, r, sim in scored:
