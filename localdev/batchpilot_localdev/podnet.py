@@ -56,13 +56,16 @@ def remove_route(routes: Path, pod_ip: str, port: int, local: str) -> None:
     pod's address to the next pod, whose process has its own route by the time the old process
     ends its ``preStop`` and is stopped (removing it unread cut that pod off the apiserver's
     proxy: ``recommend`` got 502 from it at the end of every ``make demo``)."""
-    path = route_file(routes, pod_ip, port)
+    if read_route(routes, pod_ip, port) == local:
+        route_file(routes, pod_ip, port).unlink(missing_ok=True)
+
+
+def read_route(routes: Path, pod_ip: str, port: int) -> str | None:
+    """Where the route of ``pod_ip:port`` leads (``127.x.y.z:port``), or None when there is none."""
     try:
-        if path.read_text().strip() != local:
-            return
+        return route_file(routes, pod_ip, port).read_text().strip()
     except OSError:
-        return
-    path.unlink(missing_ok=True)
+        return None
 
 
 def resolve(routes: Path, target: str) -> tuple[str, int] | None:
@@ -76,10 +79,8 @@ def resolve(routes: Path, target: str) -> tuple[str, int] | None:
         return None
     if address in REAL_NODE_NET:
         return host, port_no
-    path = route_file(routes, host, port_no)
-    try:
-        local = path.read_text().strip()
-    except OSError:
+    local = read_route(routes, host, port_no)
+    if local is None:
         return None
     lhost, _, lport = local.rpartition(":")
     if ipaddress.ip_address(lhost) not in LOOPBACK:
