@@ -923,7 +923,8 @@ def summarize(c: dict[str, Any], scenario: str, failure_limit: int) -> dict[str,
     if said:
         out["detectable_p99_regression_median"] = sorted(said)[len(said) // 2]
         # a 20% slower model: did the rollout say up front that 20% is below what it can see?
-        out["said_20pct_not_detectable"] = round(sum(x > OUT_OF_REACH["slower20"][1] for x in said) / len(said), 4)
+        _, slower = OUT_OF_REACH["slower20"]
+        out["said_20pct_not_detectable"] = round(sum(x > slower for x in said) / len(said), 4)
         # the bar: a 1.5x worse p99 always within reach
         out["said_50pct_not_detectable"] = round(sum(x > 0.5 for x in said) / len(said), 4)
     said_last = [r["detectable_last_step"] for r in ro if r.get("detectable_last_step") is not None]
@@ -934,10 +935,8 @@ def summarize(c: dict[str, Any], scenario: str, failure_limit: int) -> dict[str,
     if said_errors:
         out["detectable_error_rate_median"] = sorted(said_errors)[len(said_errors) // 2]
         # a queue shedding 2%: did the rollout say up front that 2% is below what it can see?
-        errors_effect = OUT_OF_REACH["shed2"][1]
-        out["said_2pct_errors_not_detectable"] = round(
-            sum(x > errors_effect for x in said_errors) / len(said_errors), 4
-        )
+        _, shed = OUT_OF_REACH["shed2"]
+        out["said_2pct_errors_not_detectable"] = round(sum(x > shed for x in said_errors) / len(said_errors), 4)
     warned = OUT_OF_REACH.get(scenario)
     if warned and n:
         # the bar per rollout: caught, or said up front that the effect is out of reach
