@@ -34,6 +34,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import statistics
 import sys
 import tempfile
 import time
@@ -162,6 +163,26 @@ def _meets(point: dict[str, Any], slo_ms: float) -> bool:
     return p99 is not None and p99 <= slo_ms
 
 
+def _round(rate: float | None) -> float | None:
+    return round(rate, 1) if rate is not None else None
+
+
+def _median_capacity(ramps: list[tuple[float | None, bool]]) -> tuple[float | None, bool]:
+    """The median of the ramps' capacities (a ramp that met the target at no rate counts as 0,
+    and a median of 0 is None) and whether it is a lower bound (a ramp reached ``--max-rate``)."""
+    mid = statistics.median(r or 0.0 for r, _ in ramps)
+    return (mid or None), any(capped for _, capped in ramps)
+
+
+def _spread(rates: list[float | None]) -> float | None:
+    """(max - min) / median of the ramps' capacities (None with one ramp or a median of 0)."""
+    got = sorted(r or 0.0 for r in rates)
+    if len(got) < 2:
+        return None
+    med = statistics.median(got)
+    return round((got[-1] - got[0]) / med, 3) if med else None
+
+
 def _errors(measured: float | None, lower_bound: bool, **predicted: float) -> dict[str, float | None]:
     """Each prediction's error against a measured capacity (None where there is none to compare:
     nothing met the target, or nothing breached it)."""
@@ -197,6 +218,7 @@ def main() -> int:
     ap.add_argument(
         "--margin", type=float, default=0.2, help="the recommendation's margin under the SLO (tune's default)"
     )
+    ap.add_argument("--repeats", type=int, default=1, help="ramps per setting (the capacity: their median)")
     ap.add_argument("--step", type=float, default=1.2)
     ap.add_argument("--bisect", type=int, default=2)
     ap.add_argument("--max-rate", type=float, default=2500.0)
@@ -222,37 +244,54 @@ def main() -> int:
         )
         for trace_name in args.traces.split(","):
             trace, slo = all_traces[trace_name], slos[trace_name]
-            ramps = {s: Ramp(tmp, args, trace, s) for s in settings_list}
             # The current setting first: its runtime's profile is the live path's for every candidate.
             order = [current, *[s for s in settings_list if s != current]]
-            rows: dict[LaneSettings, dict[str, Any]] = {}
+            # Each repeat ramps every setting once, in the same order, so the machine's drift over
+            # the run falls on every setting alike; a setting's capacity is the median of its ramps.
+            measured: dict[LaneSettings, list[tuple[float | None, bool, float | None, bool]]] = {s: [] for s in order}
+            ramps: dict[LaneSettings, list[Ramp]] = {s: [] for s in order}
             live: LatencyProfile | None = None
+            for repeat in range(args.repeats):
+                for s in order:
+                    pred_gap = predicted_capacity(trace, gap_mean, s, slo)
+                    ramp = Ramp(tmp, args, trace, s)
+                    full = ramp.capacity(max(pred_gap * 0.5, 5.0), slo * 1e3)
+                    measured[s].append((full, ramp.capped, *ramp.capacity_below(slo * (1 - args.margin) * 1e3)))
+                    ramps[s].append(ramp)
+                    if live is None:
+                        assert ramp.live_doc is not None
+                        live = LatencyProfile.model_validate(ramp.live_doc)
+                    log(f"{trace_name} repeat {repeat + 1}/{args.repeats} SLO {slo * 1e3:g} ms B={s.max_batch_size} "
+                        f"W={format_duration(s.max_queue_delay)}: measured {measured[s][-1]}")  # fmt: skip
+            assert live is not None
+            rows: dict[LaneSettings, dict[str, Any]] = {}
             for s in order:
-                pred_gap = predicted_capacity(trace, gap_mean, s, slo)
-                pick_gap = predicted_capacity(trace, gap_mean, s, slo, args.margin)
-                measured = ramps[s].capacity(max(pred_gap * 0.5, 5.0), slo * 1e3)
-                measured_at_margin, capped_at_margin = ramps[s].capacity_below(slo * (1 - args.margin) * 1e3)
-                if live is None:
-                    assert ramps[s].live_doc is not None
-                    live = LatencyProfile.model_validate(ramps[s].live_doc)
-                pred_live = predicted_capacity(trace, live, s, slo)
-                pick_live = predicted_capacity(trace, live, s, slo, args.margin)
+                pred_gap, pred_live = (predicted_capacity(trace, p, s, slo) for p in (gap_mean, live))
+                pick_gap, pick_live = (predicted_capacity(trace, p, s, slo, args.margin) for p in (gap_mean, live))
+                full, full_capped = _median_capacity([(m[0], m[1]) for m in measured[s]])
+                tight, tight_capped = _median_capacity([(m[2], m[3]) for m in measured[s]])
                 rows[s] = {
                     "setting": {"maxBatchSize": s.max_batch_size, "maxQueueDelay": format_duration(s.max_queue_delay)},
                     "predicted_rps": {"gap_mean": round(pred_gap, 1), "live": round(pred_live, 1)},
                     # What the recommendation ranks by: the capacity under the SLO less the margin.
                     "predicted_rps_at_margin": {"gap_mean": round(pick_gap, 1), "live": round(pick_live, 1)},
-                    "measured_rps": round(measured, 1) if measured is not None else None,
-                    "measured_at_max_rate": ramps[s].capped,
-                    # The same ramp read against the SLO less the margin (what the ranking predicts).
-                    "measured_rps_at_margin": round(measured_at_margin, 1) if measured_at_margin is not None else None,
-                    "measured_at_margin_unbreached": capped_at_margin,
-                    "error": _errors(measured, ramps[s].capped, gap_mean=pred_gap, live=pred_live),
-                    "error_at_margin": _errors(measured_at_margin, capped_at_margin, gap_mean=pick_gap, live=pick_live),
-                    "ramp": ramps[s].points,
+                    "measured_rps": _round(full),
+                    "measured_at_max_rate": full_capped,
+                    # The same ramps read against the SLO less the margin (what the ranking predicts).
+                    "measured_rps_at_margin": _round(tight),
+                    "measured_at_margin_unbreached": tight_capped,
+                    # Each ramp's capacity, and their spread over the median: the noise floor.
+                    "measured_rps_per_ramp": [_round(m[0]) for m in measured[s]],
+                    "measured_rps_at_margin_per_ramp": [_round(m[2]) for m in measured[s]],
+                    "spread": _spread([m[0] for m in measured[s]]),
+                    "spread_at_margin": _spread([m[2] for m in measured[s]]),
+                    "error": _errors(full, full_capped, gap_mean=pred_gap, live=pred_live),
+                    "error_at_margin": _errors(tight, tight_capped, gap_mean=pick_gap, live=pick_live),
+                    "ramps": [r.points for r in ramps[s]],
                 }
                 log(f"{trace_name} SLO {slo * 1e3:g} ms B={s.max_batch_size} W={format_duration(s.max_queue_delay)}: "
-                    f"predicted {rows[s]['predicted_rps']} measured {rows[s]['measured_rps']} error {rows[s]['error']}")  # fmt: skip
+                    f"predicted {rows[s]['predicted_rps']} measured {rows[s]['measured_rps']} "
+                    f"(spread {rows[s]['spread']}) error {rows[s]['error']}")  # fmt: skip
             rec = {
                 # The ranking tune and recommend use (the SLO less the margin), judged by the ramps
                 # read against that same target; and the ranking at margin 0 against the SLO itself.
