@@ -256,7 +256,12 @@ def main() -> int:
                     pred_gap = predicted_capacity(trace, gap_mean, s, slo)
                     ramp = Ramp(tmp, args, trace, s)
                     full = ramp.capacity(max(pred_gap * 0.5, 5.0), slo * 1e3)
-                    measured[s].append((full, ramp.capped, *ramp.capacity_below(slo * (1 - args.margin) * 1e3)))
+                    tight = ramp.capacity_below(slo * (1 - args.margin) * 1e3)
+                    if not ramp.capped:
+                        # Read again with the tighter target's probes: a rate that met the SLO less
+                        # the margin met the SLO, so the two capacities cannot cross.
+                        full = ramp.bracket(slo * 1e3)[0]
+                    measured[s].append((full, ramp.capped, *tight))
                     ramps[s].append(ramp)
                     if live is None:
                         assert ramp.live_doc is not None
