@@ -40,8 +40,11 @@ def warmup_sizes(max_batch_sizes: list[int]) -> list[int]:
     return sorted(sizes)
 
 
-PROFILE_BEYOND: int = 4
-"""The live profile also times batches up to this times the largest lane maximum (powers of two)..."""
+PROFILE_BEYOND: int = 8
+"""The live profile also times batches up to this times the largest lane maximum (powers of two)...
+``recommend`` considers batch sizes up to the pods' largest profiled one, so this is how far one
+recommendation can raise ``maxBatchSize``: with 4, pods at 8 rows could not be told to take 64, the
+code trace's best setting at the SLO less the margin (``bench/results/capacity_ramp-margin.json``)."""
 PROFILE_BEYOND_CAP: int = 256
 """... and no larger than this many rows ..."""
 PROFILE_BEYOND_BYTES: int = 16 << 20

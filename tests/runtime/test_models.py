@@ -67,8 +67,9 @@ def test_warmup_sizes_cover_small_sizes_powers_of_two_and_lane_maxima() -> None:
 
 
 def test_the_live_profile_times_batches_past_the_lanes_maxima_within_caps() -> None:
-    assert profile_beyond_sizes([8]) == [16, 32]
-    assert profile_beyond_sizes([100, 8]) == [128, 256]  # 4 x 100, capped at 256 rows
+    assert profile_beyond_sizes([8]) == [16, 32, 64]
+    assert profile_beyond_sizes([16]) == [32, 64, 128]
+    assert profile_beyond_sizes([100, 8]) == [128, 256]  # 8 x 100, capped at 256 rows
     assert profile_beyond_sizes([256]) == []
     assert profile_beyond_sizes([8], row_bytes=1 << 20) == [16]  # 16 MiB of input and output
 
