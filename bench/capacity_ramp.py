@@ -12,7 +12,7 @@ batching setting of the grid:
   ``--step`` from half the ``gap_mean`` prediction until the server's own p99 (its outcome
   record, what Prometheus and the SLO read) breaches twice in a row, then bisected
   ``--bisect`` times between the last pass and the first breach. Capacity is the highest
-  passing rate (below the first breach).
+  passing rate below the lowest rate that breached, among all the ramp's points.
 
 The same ramp is read again against the SLO less ``--margin`` (0.2, as ``tune`` and ``recommend``
 default): its capacity there from the same points, descending where no measured rate met it and
@@ -26,7 +26,7 @@ margin (what ``tune`` and ``recommend`` recommend) against the ramps read at the
 margin rules out the settings whose p99 floor (window plus a full batch's pass) lies between the
 two targets, so the two rankings can pick different settings.
 
-Usage: .venv/bin/python bench/capacity_ramp.py [--requests 600] --out bench/results/capacity_ramp.json
+Usage: .venv/bin/python bench/capacity_ramp.py [--requests 600] [--repeats 3] --out bench/results/capacity_ramp.json
 """
 
 from __future__ import annotations
