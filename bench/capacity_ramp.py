@@ -251,11 +251,12 @@ def main() -> int:
             measured: dict[LaneSettings, list[tuple[float | None, bool, float | None, bool]]] = {s: [] for s in order}
             ramps: dict[LaneSettings, list[Ramp]] = {s: [] for s in order}
             live: LatencyProfile | None = None
+            # Where each ramp starts, and the offline profile's prediction in the row.
+            gap_predicted = {s: predicted_capacity(trace, gap_mean, s, slo) for s in order}
             for repeat in range(args.repeats):
                 for s in order:
-                    pred_gap = predicted_capacity(trace, gap_mean, s, slo)
                     ramp = Ramp(tmp, args, trace, s)
-                    full = ramp.capacity(max(pred_gap * 0.5, 5.0), slo * 1e3)
+                    full = ramp.capacity(max(gap_predicted[s] * 0.5, 5.0), slo * 1e3)
                     tight = ramp.capacity_below(slo * (1 - args.margin) * 1e3)
                     if not ramp.capped:
                         # Read again with the tighter target's probes: a rate that met the SLO less
@@ -271,7 +272,7 @@ def main() -> int:
             assert live is not None
             rows: dict[LaneSettings, dict[str, Any]] = {}
             for s in order:
-                pred_gap, pred_live = (predicted_capacity(trace, p, s, slo) for p in (gap_mean, live))
+                pred_gap, pred_live = gap_predicted[s], predicted_capacity(trace, live, s, slo)
                 pick_gap, pick_live = (predicted_capacity(trace, p, s, slo, args.margin) for p in (gap_mean, live))
                 full, full_capped = _median_capacity([(m[0], m[1]) for m in measured[s]])
                 tight, tight_capped = _median_capacity([(m[2], m[3]) for m in measured[s]])
